@@ -1,0 +1,1 @@
+"""splitserve bench package."""

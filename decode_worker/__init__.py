@@ -1,0 +1,1 @@
+"""splitserve decode_worker package."""

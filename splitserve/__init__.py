@@ -1,0 +1,1 @@
+"""splitserve: disaggregated prefill/decode serving around vLLM (shared core package)."""

@@ -1,0 +1,119 @@
+"""Engine wiring shared by every worker role: one frozen config → one vLLM `AsyncLLM`.
+
+The prefill, decode and colocated workers differ only in `kv_role` (and the connector settings
+that come with it); everything else about how vLLM is started lives here once. Defaults are sized
+so that three tiny-model engines fit on a 2-core, 24 GiB laptop: the KV cache is an explicit
+number of MiB rather than a fraction of host RAM, because on CPU vLLM's `gpu_memory_utilization`
+means "fraction of host RAM to reserve" and three engines at the usual 0.9 cannot coexist.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
+    from vllm.engine.arg_utils import AsyncEngineArgs
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
+
+
+def on_gpu() -> bool:
+    """True when a CUDA device is present (then `vllm` is the GPU build, and NCCL is used)."""
+    try:
+        import torch
+
+        return torch.cuda.is_available()
+    except ImportError:
+        return False
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model: str  # a local Hugging Face model directory (see tiny_model.resolve_model)
+    dtype: str = "bfloat16"  # golden tests use float32, where exact token equality is expected
+    max_model_len: int = 4096
+    block_size: int = 128  # vLLM's CPU attention needs a multiple of 32; 128 is its default
+    kv_cache_mib: int = 256  # explicit KV cache size; ~1000 blocks of the tiny model in fp32
+    kv_cache_dtype: str = "auto"  # "fp8", "fp8_e4m3", "fp8_e5m2" quantise the cache
+    memory_fraction: float = 0.1  # vLLM's gpu_memory_utilization; host RAM fraction on CPU
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int | None = None
+    enable_prefix_caching: bool = True
+    enforce_eager: bool = True  # no compile/graph capture: start-up in seconds, not minutes
+    seed: int = 0
+    # KV transfer: None = plain engine (colocated); else one of KV_ROLES with our connector.
+    kv_role: str | None = None
+    kv_connector_config: dict[str, Any] = field(default_factory=dict)
+    engine_id: str | None = None  # stable name of this engine in KV transfer handshakes
+
+    def __post_init__(self) -> None:
+        if self.kv_role is not None and self.kv_role not in KV_ROLES:
+            raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
+        if self.block_size % 32:
+            raise ValueError(f"block_size must be a multiple of 32, got {self.block_size}")
+        if self.kv_cache_mib <= 0:
+            raise ValueError(f"kv_cache_mib must be positive, got {self.kv_cache_mib}")
+
+
+def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
+    from vllm.config import KVTransferConfig
+    from vllm.engine.arg_utils import AsyncEngineArgs
+
+    kv_transfer = None
+    if cfg.kv_role is not None:
+        kv_transfer = KVTransferConfig(
+            kv_connector="SplitServeConnector",
+            kv_connector_module_path="splitserve.kv.connector",
+            kv_role=cfg.kv_role,
+            engine_id=cfg.engine_id,
+            kv_connector_extra_config=dict(cfg.kv_connector_config),
+        )
+    return AsyncEngineArgs(
+        model=cfg.model,
+        dtype=cfg.dtype,
+        max_model_len=cfg.max_model_len,
+        block_size=cfg.block_size,
+        kv_cache_memory_bytes=cfg.kv_cache_mib << 20,
+        kv_cache_dtype=cfg.kv_cache_dtype,
+        gpu_memory_utilization=cfg.memory_fraction,
+        max_num_seqs=cfg.max_num_seqs,
+        max_num_batched_tokens=cfg.max_num_batched_tokens,
+        enable_prefix_caching=cfg.enable_prefix_caching,
+        enforce_eager=cfg.enforce_eager,
+        seed=cfg.seed,
+        kv_transfer_config=kv_transfer,
+        disable_log_stats=False,
+    )
+
+
+def build_engine(cfg: EngineConfig) -> AsyncLLM:
+    """Start a vLLM AsyncLLM (its engine core runs in a spawned child process)."""
+    from vllm.v1.engine.async_llm import AsyncLLM
+
+    # The engine core is spawned; callers' entry points must be under `if __name__ == "__main__"`.
+    os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype, cfg.kv_role)
+    return AsyncLLM.from_engine_args(engine_args(cfg))
+
+
+@contextmanager
+def running_engine(cfg: EngineConfig) -> Iterator[AsyncLLM]:
+    """An engine that is shut down on exit, whatever happens inside."""
+    engine = build_engine(cfg)
+    try:
+        yield engine
+    finally:
+        engine.shutdown()
+        # AsyncLLM.__del__ shuts down again; left to interpreter teardown it trips over
+        # half-unloaded modules. Collect it now, while everything is still importable.
+        del engine
+        gc.collect()
