@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from splitserve.net import free_port
+
 if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -54,12 +56,18 @@ class EngineConfig:
     kv_role: str | None = None
     kv_connector_config: dict[str, Any] = field(default_factory=dict)
     engine_id: str | None = None  # stable name of this engine in KV transfer handshakes
+    # What a decode engine does when a KV pull fails: "recompute" prefills locally (the request
+    # still succeeds, slower), "fail" ends it with finish reason "error".
+    kv_failure_policy: str = "recompute"
 
     def __post_init__(self) -> None:
         if self.kv_role is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
         if self.block_size % 32:
             raise ValueError(f"block_size must be a multiple of 32, got {self.block_size}")
+        if self.kv_failure_policy not in ("recompute", "fail"):
+            raise ValueError(f"kv_failure_policy must be recompute or fail, "
+                             f"got {self.kv_failure_policy!r}")
         if self.kv_cache_mib <= 0:
             raise ValueError(f"kv_cache_mib must be positive, got {self.kv_cache_mib}")
 
@@ -70,12 +78,17 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
 
     kv_transfer = None
     if cfg.kv_role is not None:
+        extra = dict(cfg.kv_connector_config)
+        if cfg.kv_role != "kv_consumer" and not extra.get("side_channel_port"):
+            # The scheduler half advertises this port, so it must be fixed before start-up.
+            extra["side_channel_port"] = free_port(extra.get("host", "127.0.0.1"))
         kv_transfer = KVTransferConfig(
             kv_connector="SplitServeConnector",
             kv_connector_module_path="splitserve.kv.connector",
             kv_role=cfg.kv_role,
             engine_id=cfg.engine_id,
-            kv_connector_extra_config=dict(cfg.kv_connector_config),
+            kv_connector_extra_config=extra,
+            kv_load_failure_policy=cfg.kv_failure_policy,
         )
     return AsyncEngineArgs(
         model=cfg.model,

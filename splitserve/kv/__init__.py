@@ -1,0 +1,12 @@
+"""KV transfer: a vLLM KV connector that pulls a prompt's KV blocks over torch.distributed.
+
+Modules, in the order a transfer touches them:
+  connector.py     vLLM-facing facade: scheduler half (which blocks, leases) + worker half hooks.
+  producer.py      prefill side, worker process: holds blocks under lease, serves pulls.
+  consumer.py      decode side, worker process: pulls blocks into freshly allocated block ids.
+  spec.py          what both sides must agree on (checked at handshake).
+  blocks.py        gather/scatter of whole blocks between the paged cache and a staging buffer.
+  pair_channel.py  one 2-rank gloo/NCCL process group per (producer, consumer) pair.
+  wire.py          side-channel framing and peer authentication.
+  stats.py         per-transfer bytes/seconds/failures, shipped to the API process via vLLM.
+"""

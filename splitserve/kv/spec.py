@@ -1,0 +1,56 @@
+"""The KV cache description both sides of a transfer must share, checked at handshake.
+
+Blocks travel as opaque bytes (see blocks.py), so anything that changes what the bytes of a block
+mean must match exactly: the model, the cache dtype, block size, layout, layer count and shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, fields
+
+import torch
+
+PROTOCOL_VERSION = 1
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    model: str  # model name/path as configured; a different model means different KV meaning
+    dtype: str  # dtype of the cache tensors (after kv_cache_dtype), e.g. "torch.bfloat16"
+    block_size: int
+    layout: str  # vLLM KV cache layout name, e.g. "LBHNC"; CPU and GPU defaults differ
+    num_layers: int
+    num_kv_heads: int
+    head_size: int  # last dim of the per-layer view (K and V fused in vLLM 0.32)
+    version: int = PROTOCOL_VERSION
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> KVSpec:
+        names = {f.name for f in fields(cls)}
+        missing = names - d.keys()
+        if missing:
+            raise ValueError(f"peer KV spec lacks {sorted(missing)}")
+        return cls(**{k: d[k] for k in names})
+
+    def differences(self, other: KVSpec) -> list[str]:
+        """Human-readable mismatches, e.g. ["block_size: ours 128, peer's 64"]."""
+        return [
+            f"{f.name}: ours {getattr(self, f.name)!r}, peer's {getattr(other, f.name)!r}"
+            for f in fields(self)
+            if getattr(self, f.name) != getattr(other, f.name)
+        ]
+
+
+def spec_from_caches(model: str, block_size: int, layout: str,
+                     kv_caches: dict[str, torch.Tensor]) -> KVSpec:
+    """Read the spec off the live per-layer tensors: [num_blocks, kv_heads, block_size, C]."""
+    first = next(iter(kv_caches.values()))
+    assert first.dim() == 4, f"unexpected KV cache rank {first.dim()} (shape {tuple(first.shape)})"
+    assert all(t.shape[1:] == first.shape[1:] and t.dtype == first.dtype
+               for t in kv_caches.values()), "layers with different KV shapes are not supported"
+    return KVSpec(model=model, dtype=str(first.dtype), block_size=block_size, layout=layout,
+                  num_layers=len(kv_caches), num_kv_heads=first.shape[1],
+                  head_size=first.shape[3])

@@ -1,0 +1,67 @@
+"""Per-transfer observations (bytes, seconds, failures, lease expiries), collected thread-safely.
+
+The worker half drains them every engine step (`drain()`); vLLM carries the dict to the API
+process as KV-connector stats, where the worker servers turn them into Prometheus metrics.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import asdict, dataclass, field
+
+
+@dataclass
+class TransferSample:
+    transfers: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    failures: int = 0
+    lease_expired: int = 0
+    # Per-transfer (bytes, seconds) pairs, so a histogram of GB/s can be built downstream.
+    samples: list[tuple[int, float]] = field(default_factory=list)
+
+    def merge(self, other: TransferSample) -> None:
+        self.transfers += other.transfers
+        self.bytes += other.bytes
+        self.seconds += other.seconds
+        self.failures += other.failures
+        self.lease_expired += other.lease_expired
+        self.samples.extend(other.samples)
+
+    def is_empty(self) -> bool:
+        return not (self.transfers or self.failures or self.lease_expired)
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict) -> TransferSample:
+        s = cls(**{k: v for k, v in d.items() if k != "samples"})
+        s.samples = [tuple(x) for x in d.get("samples", [])]
+        return s
+
+
+class TransferStats:
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pending = TransferSample()
+        self.total = TransferSample()  # since start, for logs and tests
+
+    def record_transfer(self, nbytes: int, seconds: float) -> None:
+        self._add(TransferSample(1, nbytes, seconds, samples=[(nbytes, seconds)]))
+
+    def record_failure(self) -> None:
+        self._add(TransferSample(failures=1))
+
+    def record_lease_expired(self) -> None:
+        self._add(TransferSample(lease_expired=1))
+
+    def _add(self, s: TransferSample) -> None:
+        with self._lock:
+            self._pending.merge(s)
+            self.total.merge(TransferSample(**{**s.to_dict(), "samples": []}))
+
+    def drain(self) -> TransferSample:
+        with self._lock:
+            out, self._pending = self._pending, TransferSample()
+        return out

@@ -1,0 +1,71 @@
+"""Side-channel wire format: length-prefixed JSON messages over a TCP socket, plus peer auth.
+
+The side channel carries only small control messages (handshake, "send transfer T", replies);
+bulk KV bytes go over the pair channel. JSON keeps it debuggable with a packet capture, and a
+size cap keeps a confused or hostile peer from making us allocate gigabytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+import json
+import socket
+import struct
+from typing import Any
+
+MAX_MESSAGE_BYTES = 1 << 20
+_HEADER = struct.Struct("!I")
+
+
+class WireError(ConnectionError):
+    """The side channel broke: peer gone, timeout, or a malformed message."""
+
+
+def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
+    body = json.dumps(msg, separators=(",", ":")).encode()
+    if len(body) > MAX_MESSAGE_BYTES:
+        raise WireError(f"message of {len(body)} bytes exceeds {MAX_MESSAGE_BYTES}")
+    try:
+        sock.sendall(_HEADER.pack(len(body)) + body)
+    except OSError as e:
+        raise WireError(f"side channel send failed: {e}") from e
+
+
+def recv_msg(sock: socket.socket) -> dict[str, Any]:
+    """One message; the socket's own timeout bounds the wait."""
+    (size,) = _HEADER.unpack(_recv_exact(sock, _HEADER.size))
+    if size > MAX_MESSAGE_BYTES:
+        raise WireError(f"peer announced a {size}-byte message (limit {MAX_MESSAGE_BYTES})")
+    try:
+        msg = json.loads(_recv_exact(sock, size))
+    except ValueError as e:
+        raise WireError(f"malformed side-channel message: {e}") from e
+    if not isinstance(msg, dict):
+        raise WireError("malformed side-channel message: not an object")
+    return msg
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks, got = [], 0
+    while got < n:
+        try:
+            chunk = sock.recv(n - got)
+        except socket.timeout as e:
+            raise WireError("side channel timed out waiting for the peer") from e
+        except OSError as e:
+            raise WireError(f"side channel receive failed: {e}") from e
+        if not chunk:
+            raise WireError("side channel closed by peer")
+        chunks.append(chunk)
+        got += len(chunk)
+    return b"".join(chunks)
+
+
+def auth_proof(secret: str, challenge: str) -> str:
+    """HMAC of the producer's one-time challenge: proves the secret without sending it."""
+    return hmac.new(secret.encode(), challenge.encode(), hashlib.sha256).hexdigest()
+
+
+def check_proof(secret: str, challenge: str, proof: str) -> bool:
+    return hmac.compare_digest(auth_proof(secret, challenge), proof)
