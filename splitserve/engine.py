@@ -23,6 +23,8 @@ if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really buil
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
 
+    from splitserve.engine_stats import EngineMonitor
+
 log = logging.getLogger(__name__)
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
@@ -108,20 +110,25 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
     )
 
 
-def build_engine(cfg: EngineConfig) -> AsyncLLM:
-    """Start a vLLM AsyncLLM (its engine core runs in a spawned child process)."""
+def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> AsyncLLM:
+    """Start a vLLM AsyncLLM (its engine core runs in a spawned child process).
+
+    With a `monitor`, every engine step's stats land in it (load, KV usage, transfers).
+    """
     from vllm.v1.engine.async_llm import AsyncLLM
 
     # The engine core is spawned; callers' entry points must be under `if __name__ == "__main__"`.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype, cfg.kv_role)
-    return AsyncLLM.from_engine_args(engine_args(cfg))
+    loggers = [monitor.factory] if monitor is not None else None
+    return AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
 
 
 @contextmanager
-def running_engine(cfg: EngineConfig) -> Iterator[AsyncLLM]:
+def running_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None
+                   ) -> Iterator[AsyncLLM]:
     """An engine that is shut down on exit, whatever happens inside."""
-    engine = build_engine(cfg)
+    engine = build_engine(cfg, monitor)
     try:
         yield engine
     finally:

@@ -1,0 +1,196 @@
+"""KV transport without vLLM: a real Producer process, a real Consumer, real gloo and sockets.
+
+The cache tensors are plain tensors shaped like vLLM's ([blocks, kv_heads, block_size, C]), so
+these tests run in seconds and can kill, stall or mismatch the producer at will.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from splitserve.kv.consumer import Consumer, LoadResult, PullJob
+from splitserve.kv.spec import spec_from_caches
+from splitserve.kv.stats import TransferStats
+from splitserve.net import free_port
+from tests.kv.producer_proc import make_caches
+
+ROOT = Path(__file__).resolve().parents[2]
+SHAPE = [2, 32, 128]  # kv_heads, block_size, C
+BASE = {"num_layers": 3, "num_blocks": 16, "shape": SHAPE, "dtype": "bfloat16", "model": "m",
+        "block_size": 32, "layout": "LBHNC", "lease_s": 30.0, "timeout_s": 5.0, "seed": 7}
+
+
+class ProducerProc:
+    def __init__(self, **overrides) -> None:
+        self.cfg = {**BASE, "port": free_port(), **overrides}
+        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kv.producer_proc",
+                                      json.dumps(self.cfg)], cwd=ROOT, text=True,
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        assert json.loads(self.proc.stdout.readline())["ready"]
+
+    def cmd(self, **msg) -> dict:
+        self.proc.stdin.write(json.dumps(msg) + "\n")
+        self.proc.stdin.flush()
+        return json.loads(self.proc.stdout.readline())
+
+    def expected(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
+        c = self.cfg
+        caches = make_caches(c["num_layers"], c["num_blocks"], c["shape"], c["dtype"], c["seed"])
+        return {k: v[block_ids] for k, v in caches.items()}
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait(10)
+
+
+@pytest.fixture
+def producers():
+    started: list[ProducerProc] = []
+
+    def start(**overrides) -> ProducerProc:
+        p = ProducerProc(**overrides)
+        started.append(p)
+        return p
+
+    yield start
+    for p in started:
+        p.close()
+
+
+@pytest.fixture
+def consumers():
+    started: list[Consumer] = []
+
+    def start(**overrides) -> Consumer:
+        cfg = {**BASE, **overrides}
+        caches = make_caches(cfg["num_layers"], cfg["num_blocks"], cfg["shape"], cfg["dtype"], 99)
+        for t in caches.values():
+            t.zero_()
+        c = Consumer("test-d", "127.0.0.1", cfg["timeout_s"], cfg.get("secret"), TransferStats())
+        c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], cfg["layout"], caches))
+        c.caches = caches
+        started.append(c)
+        return c
+
+    yield start
+    for c in started:
+        c.shutdown()
+
+
+def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[int],
+         wait_s: float = 20.0) -> LoadResult:
+    c.submit(PullJob(tid, tid, "127.0.0.1", p.cfg["port"], None, local, remote))
+    deadline = time.monotonic() + wait_s
+    while time.monotonic() < deadline:
+        results = c.take_results()
+        if results:
+            assert len(results) == 1 and results[0].req_id == tid
+            return results[0]
+        time.sleep(0.01)
+    raise AssertionError(f"no result for {tid} within {wait_s} s")
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+def test_pull_is_bit_exact_and_frees_the_lease(producers, consumers, dtype: str) -> None:
+    p, c = producers(dtype=dtype), consumers(dtype=dtype)
+    remote, local = [3, 7, 1, 12], [10, 2, 5, 15]
+    assert p.cmd(op="hold", transfer_id="t1", block_ids=[1, 3, 7, 12, 9])["ok"]
+    res = pull(c, p, "t1", remote, local)
+    assert res.ok, res.error
+    for name, want in p.expected(remote).items():
+        got = c.caches[name][local]
+        assert torch.equal(got.view(torch.uint8), want.view(torch.uint8)), name
+    untouched = [b for b in range(BASE["num_blocks"]) if b not in local]
+    assert all(not t[untouched].view(torch.uint8).any() for t in c.caches.values())
+    state = p.cmd(op="finished")
+    assert state["finished"] == ["t1"] and state["held"] == 0
+    assert state["total"]["transfers"] == 1 and state["total"]["bytes"] > 0
+
+
+def test_staging_buffer_is_reused_across_transfers(producers, consumers) -> None:
+    p, c = producers(), consumers()
+    for i in range(3):
+        p.cmd(op="hold", transfer_id=f"t{i}", block_ids=[1, 2, 3])
+        assert pull(c, p, f"t{i}", [1, 2, 3], [4, 5, 6]).ok
+        (peer,) = c._peers.values()
+        ptr = peer.chan.staging(1).data_ptr()
+        if i:
+            assert ptr == first_ptr
+        first_ptr = ptr
+
+
+@pytest.mark.parametrize(("field", "value", "needle"), [
+    ("block_size", 64, "block_size: ours 32, peer's 64"),
+    ("dtype", "float16", "dtype: ours 'torch.bfloat16', peer's 'torch.float16'"),
+    ("model", "other-model", "model: ours 'm', peer's 'other-model'"),
+])
+def test_incompatible_peer_is_refused_at_handshake(producers, consumers, field, value, needle):
+    p, c = producers(), consumers(**{field: value})
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1])
+    res = pull(c, p, "t1", [1], [2])
+    assert not res.ok and "incompatible KV cache" in res.error and needle in res.error
+    assert not any(t.view(torch.uint8).any() for t in c.caches.values())
+
+
+def test_wrong_secret_is_refused(producers, consumers) -> None:
+    p, c = producers(secret="s3cret"), consumers(secret="guess")
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1])
+    res = pull(c, p, "t1", [1], [2])
+    assert not res.ok and "authentication failed" in res.error
+    good = consumers(secret="s3cret")
+    assert pull(good, p, "t1", [1], [2]).ok
+
+
+def test_lease_expiry_frees_blocks_and_refuses_a_late_pull(producers, consumers) -> None:
+    p, c = producers(lease_s=0.3), consumers()
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
+    time.sleep(0.5)
+    state = p.cmd(op="finished")
+    assert state["finished"] == ["t1"] and state["held"] == 0
+    assert state["total"]["lease_expired"] == 1
+    res = pull(c, p, "t1", [1, 2], [3, 4])
+    assert not res.ok and "lease expired" in res.error
+
+
+def test_unknown_transfer_is_refused_after_a_bounded_wait(producers, consumers) -> None:
+    p, c = producers(), consumers()
+    t0 = time.monotonic()
+    res = pull(c, p, "never-held", [1], [2])
+    assert not res.ok and "unknown" in res.error
+    assert time.monotonic() - t0 < 10
+
+
+def test_producer_killed_mid_transfer_fails_fast(producers, consumers) -> None:
+    dying, healthy = producers(stall_before_send_s=60.0), producers()
+    c = consumers()
+    dying.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
+    c.submit(PullJob("t1", "t1", "127.0.0.1", dying.cfg["port"], None, [3, 4], [1, 2]))
+    time.sleep(1.0)  # the producer has answered and is stalling before the send
+    assert c.take_results() == []
+    dying.proc.kill()
+    t_kill = time.monotonic()
+    while not (results := c.take_results()):
+        assert time.monotonic() - t_kill < BASE["timeout_s"] + 2, "consumer hung on a dead peer"
+        time.sleep(0.01)
+    assert not results[0].ok
+    # Other pairs keep working, and so does a fresh pair to a new producer.
+    healthy.cmd(op="hold", transfer_id="t2", block_ids=[5])
+    assert pull(c, healthy, "t2", [5], [6]).ok
+
+
+def test_dead_producer_address_fails_fast(consumers) -> None:
+    c = consumers()
+    t0 = time.monotonic()
+    res = c.submit(PullJob("t1", "t1", "127.0.0.1", free_port(), None, [1], [1]))
+    while not (results := c.take_results()):
+        assert time.monotonic() - t0 < 5
+        time.sleep(0.01)
+    assert res is None and not results[0].ok and "cannot reach" in results[0].error
