@@ -17,8 +17,6 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from splitserve.net import free_port
-
 if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
     from vllm.engine.arg_utils import AsyncEngineArgs
     from vllm.v1.engine.async_llm import AsyncLLM
@@ -80,16 +78,12 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
 
     kv_transfer = None
     if cfg.kv_role is not None:
-        extra = dict(cfg.kv_connector_config)
-        if cfg.kv_role != "kv_consumer" and not extra.get("side_channel_port"):
-            # The scheduler half advertises this port, so it must be fixed before start-up.
-            extra["side_channel_port"] = free_port(extra.get("host", "127.0.0.1"))
         kv_transfer = KVTransferConfig(
             kv_connector="SplitServeConnector",
             kv_connector_module_path="splitserve.kv.connector",
             kv_role=cfg.kv_role,
             engine_id=cfg.engine_id,
-            kv_connector_extra_config=extra,
+            kv_connector_extra_config=dict(cfg.kv_connector_config),
             kv_load_failure_policy=cfg.kv_failure_policy,
         )
     return AsyncEngineArgs(

@@ -40,3 +40,62 @@ async def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> li
         return list(final.outputs[0].token_ids)
 
     return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+class LoopThread:
+    """One asyncio loop in a thread, shared by a module's tests.
+
+    An AsyncLLM binds to the loop that first drives it, so engines shared across tests must live
+    on one loop that outlives each test; tests submit coroutines with `run`.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 300.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+async def collect(engine, prompt_ids: list[int], params, request_id: str):
+    """Run one request to the end; return the final RequestOutput."""
+    final = None
+    async for out in engine.generate({"prompt_token_ids": prompt_ids}, params,
+                                     request_id=request_id):
+        final = out
+    return final
+
+
+async def disagg_greedy(prefill, decode, ids: list[int], max_tokens: int, request_id: str,
+                        decode_params: dict | None = None) -> tuple[list[int], str | None]:
+    """Prefill on one engine, pull the KV into the other, decode there: the pull protocol."""
+    from vllm import SamplingParams
+
+    p = SamplingParams(temperature=0.0, max_tokens=1,
+                       extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = await collect(prefill, ids, p, f"{request_id}-p")
+    first = out.outputs[0].token_ids[0]
+    kv = {**out.kv_transfer_params, **(decode_params or {})}
+    d = SamplingParams(temperature=0.0, max_tokens=max_tokens - 1,
+                       extra_args={"kv_transfer_params": kv})
+    out = await collect(decode, ids + [first], d, f"{request_id}-d")
+    return [first, *out.outputs[0].token_ids], out.outputs[0].finish_reason
+
+
+async def wait_idle(monitor, timeout: float = 30.0) -> None:
+    """Until the engine reports no running/waiting requests and no KV blocks in use."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        s = monitor.snapshot()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"engine not idle after {timeout} s: {s}")
+        await asyncio.sleep(0.05)

@@ -25,6 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
+    KVConnectorHandshakeMetadata,
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorTransferResults,
@@ -53,11 +54,13 @@ class ConnectorSettings:
     """`kv_connector_extra_config`, typed. Defaults work for a one-host cluster."""
 
     host: str = "127.0.0.1"  # address peers use to reach this worker (side channel, gloo)
-    side_channel_port: int = 0  # producer: must be set (the scheduler half advertises it)
+    side_channel_port: int = 0  # producer: 0 = any free port (the worker reports the real one)
     lease_s: float = 30.0  # producer: held blocks are freed if nobody pulls within this
     timeout_s: float = 10.0  # every network wait of a transfer
     secret: str | None = None  # shared secret; falls back to $SPLITSERVE_KV_SECRET
-    corrupt_for_test: bool = False  # consumer: flip received bytes (tests prove KV travels)
+    # Tests only: honour a request's {"fault": "corrupt"} (flip received bytes, proving the KV
+    # really travels). Off unless a deployment turns it on, so clients cannot use it.
+    allow_fault_injection: bool = False
     stall_before_send_s: float = 0.0  # producer: pause mid-transfer (tests kill it there)
 
     @classmethod
@@ -77,6 +80,11 @@ class SplitServeMeta(KVConnectorMetadata):
     hold: dict[str, list[int]] = field(default_factory=dict)  # transfer id → producer blocks
     pull: list[PullJob] = field(default_factory=list)
     release: list[tuple[str, str, int, str | None]] = field(default_factory=list)
+
+
+@dataclass
+class SplitServeHandshake(KVConnectorHandshakeMetadata):
+    side_channel_port: int  # worker → scheduler at start-up: where pulls should go
 
 
 @dataclass
@@ -111,9 +119,8 @@ class SplitServeConnector(KVConnectorBase_V1):
         self.is_producer = ktc.is_kv_producer
         self.is_consumer = ktc.is_kv_consumer
         self.block_size = vllm_config.cache_config.block_size
-        if self.is_producer and not self.settings.side_channel_port:
-            raise ValueError("a KV producer needs kv_connector_extra_config.side_channel_port")
         # scheduler half
+        self._side_channel_port = self.settings.side_channel_port  # real one set at start-up
         self._to_hold: dict[str, list[int]] = {}
         self._to_pull: list[PullJob] = []
         self._to_release: list[tuple[str, str, int, str | None]] = []
@@ -130,10 +137,15 @@ class SplitServeConnector(KVConnectorBase_V1):
         params = request.kv_transfer_params
         if not (self.is_consumer and params and params.get("do_remote_prefill")):
             return 0, False
-        # vLLM must compute at least one token itself to get logits: never claim the last one.
-        remote = min(int(params["remote_num_tokens"]), len(request.prompt_token_ids) - 1)
-        count = remote - num_computed_tokens
+        count = self._claimable(request) - num_computed_tokens
         return (count, True) if count > 0 else (0, False)
+
+    @staticmethod
+    def _claimable(request: Request) -> int:
+        """Prompt tokens whose KV the producer holds and we may take. vLLM must compute at
+        least one token itself to get logits, so the last prompt token is never claimed."""
+        remote = int(request.kv_transfer_params["remote_num_tokens"])
+        return min(remote, len(request.prompt_token_ids) - 1)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -144,18 +156,20 @@ class SplitServeConnector(KVConnectorBase_V1):
         if num_external_tokens <= 0:  # our prefix cache already has everything
             self._to_release.append(_peer_of(params))
             return
+        # Our fresh blocks hold the tail of the claimed range (the head is our prefix-cache
+        # hit), so they pair with the tail of the producer's blocks up to the claimed end.
         local = blocks.get_unhashed_block_ids()
-        first = request.num_computed_tokens // self.block_size  # blocks we had cached
-        remote = list(params["remote_block_ids"])[first:first + len(local)]
+        end = -(-self._claimable(request) // self.block_size)
+        remote = list(params["remote_block_ids"])[max(end - len(local), 0):end]
         if len(remote) != len(local):
-            log.error("request %s: producer holds %d blocks past our %d cached, we need %d",
-                      request.request_id, len(params["remote_block_ids"]) - first, first,
-                      len(local))
+            log.error("request %s: %d fresh blocks but the producer holds only %d to match",
+                      request.request_id, len(local), len(remote))
         self._to_pull.append(PullJob(
             req_id=request.request_id, transfer_id=str(params["transfer_id"]),
             host=str(params["remote_host"]), port=int(params["remote_port"]),
             engine_id=params.get("remote_engine_id"),
-            local_block_ids=list(local)[:len(remote)], remote_block_ids=remote))
+            local_block_ids=list(local)[:len(remote)], remote_block_ids=remote,
+            corrupt=self.settings.allow_fault_injection and params.get("fault") == "corrupt"))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = SplitServeMeta(hold=self._to_hold, pull=self._to_pull, release=self._to_release)
@@ -185,26 +199,36 @@ class SplitServeConnector(KVConnectorBase_V1):
             "transfer_id": request.request_id,  # internal id: unique per engine
             "remote_engine_id": self.engine_id,
             "remote_host": self.settings.host,
-            "remote_port": self.settings.side_channel_port,
+            "remote_port": self._side_channel_port,
             "remote_block_ids": list(block_ids),
             "remote_num_tokens": request.num_computed_tokens,
             "lease_s": self.settings.lease_s,
         }
 
+    def set_xfer_handshake_metadata(self, metadata: dict[int, KVConnectorHandshakeMetadata]
+                                    ) -> None:
+        """The worker bound its side channel (maybe on port 0); advertise the real port."""
+        for meta in metadata.values():
+            if isinstance(meta, SplitServeHandshake) and meta.side_channel_port:
+                self._side_channel_port = meta.side_channel_port
+
     # ====================================== worker half ======================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        layout = self._vllm_config.cache_config.kv_cache_layout or "unknown"
         model = self._vllm_config.model_config.served_model_name
-        spec = spec_from_caches(str(model), self.block_size, str(layout), kv_caches)
+        spec = spec_from_caches(str(model), self.block_size, kv_caches)
         s = self.settings
         if self.is_producer:
             self.producer = Producer(self.engine_id, s.host, s.side_channel_port, s.lease_s,
                                      s.timeout_s, s.secret, self.stats, s.stall_before_send_s)
             self.producer.start(kv_caches, spec)
         if self.is_consumer:
-            self.consumer = Consumer(self.engine_id, s.host, s.timeout_s, s.secret, self.stats,
-                                     s.corrupt_for_test)
+            self.consumer = Consumer(self.engine_id, s.host, s.timeout_s, s.secret, self.stats)
             self.consumer.start(kv_caches, spec)
+
+    def get_handshake_metadata(self) -> KVConnectorHandshakeMetadata | None:
+        if self.producer is None:
+            return None
+        return SplitServeHandshake(side_channel_port=self.producer.side_port)
 
     def _take_meta(self) -> None:
         """Act on this step's metadata once (it is visible to several hooks per step)."""

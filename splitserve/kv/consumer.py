@@ -51,6 +51,7 @@ class PullJob:
     engine_id: str | None  # the producer we expect to reach at host:port
     local_block_ids: list[int]
     remote_block_ids: list[int]  # same length, position for position
+    corrupt: bool = False  # fault injection (tests): flip the received bytes
 
 
 @dataclass(frozen=True, slots=True)
@@ -73,14 +74,12 @@ class _Peer:
 
 class Consumer:
     def __init__(self, engine_id: str, host: str, timeout_s: float, secret: str | None,
-                 stats: TransferStats, corrupt_for_test: bool = False, max_workers: int = 4
-                 ) -> None:
+                 stats: TransferStats, max_workers: int = 4) -> None:
         self.engine_id = engine_id
         self.host = host
         self.timeout_s = timeout_s
         self.secret = secret
         self.stats = stats
-        self.corrupt_for_test = corrupt_for_test  # fault injection: proves KV really travels
         self._kv: dict[str, torch.Tensor] = {}
         self._spec: KVSpec | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-pull")
@@ -146,6 +145,7 @@ class Consumer:
                 n = len(job.local_block_ids)
                 nbytes = int(reply["nbytes"])
                 if nbytes != blocks.staging_bytes(self._kv, n):
+                    peer.chan.close()  # out of step with the producer: start a fresh pair
                     raise TransferError(f"producer announced {nbytes} bytes for {n} blocks")
                 raw = peer.chan.staging(nbytes)
                 peer.chan.recv(raw, tag)
@@ -153,9 +153,10 @@ class Consumer:
                 if not isinstance(e, TransferError) or peer.chan.closed:
                     self._drop(job.host, job.port, peer)
                 raise
-        if self.corrupt_for_test:
-            raw.bitwise_xor_(0x5A)
-        blocks.scatter(blocks.staging_view(raw, self._kv, n), self._kv, job.local_block_ids)
+            if job.corrupt:
+                raw.bitwise_xor_(0x5A)
+            # Still under the peer lock: the next pull from this peer reuses the staging buffer.
+            blocks.scatter(blocks.staging_view(raw, self._kv, n), self._kv, job.local_block_ids)
         return nbytes
 
     def _release(self, transfer_id: str, host: str, port: int, engine_id: str | None) -> None:

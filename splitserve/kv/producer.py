@@ -73,7 +73,8 @@ class Producer:
     def start(self, kv_caches: dict[str, torch.Tensor], spec: KVSpec) -> None:
         self._kv, self._spec = kv_caches, spec
         self._store = host_store(self.host, 0, self.timeout_s)
-        sock = socket.create_server((self.host, self.side_port), reuse_port=False)
+        sock = socket.create_server((self.host, self.side_port))
+        self.side_port = sock.getsockname()[1]  # the real port when asked for port 0
         sock.settimeout(0.5)  # lets the accept loop notice shutdown
         self._sock = sock
         threading.Thread(target=self._accept_loop, name="kv-producer-accept", daemon=True).start()

@@ -44,10 +44,17 @@ class KVSpec:
         ]
 
 
-def spec_from_caches(model: str, block_size: int, layout: str,
-                     kv_caches: dict[str, torch.Tensor]) -> KVSpec:
+def physical_layout(t: torch.Tensor) -> str:
+    """vLLM-style layout name of a [B, H, N, C] view from its strides, e.g. "LBHNC" (CPU) or
+    "LBNHC" (GPU FlashAttention's default): the memory order is what the bytes of a block mean."""
+    order = sorted(range(4), key=lambda d: (-t.stride(d), d))
+    return "L" + "".join("BHNC"[d] for d in order)
+
+
+def spec_from_caches(model: str, block_size: int, kv_caches: dict[str, torch.Tensor]) -> KVSpec:
     """Read the spec off the live per-layer tensors: [num_blocks, kv_heads, block_size, C]."""
     first = next(iter(kv_caches.values()))
+    layout = physical_layout(first)
     assert first.dim() == 4, f"unexpected KV cache rank {first.dim()} (shape {tuple(first.shape)})"
     assert all(t.shape[1:] == first.shape[1:] and t.dtype == first.dtype
                for t in kv_caches.values()), "layers with different KV shapes are not supported"

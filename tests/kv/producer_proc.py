@@ -31,7 +31,7 @@ def main() -> None:
     cfg = json.loads(sys.argv[1])
     caches = make_caches(cfg["num_layers"], cfg["num_blocks"], cfg["shape"], cfg["dtype"],
                          cfg.get("seed", 0))
-    spec = spec_from_caches(cfg["model"], cfg["block_size"], cfg["layout"], caches)
+    spec = spec_from_caches(cfg["model"], cfg["block_size"], caches)
     prod = Producer(cfg.get("engine_id", "fake-p"), "127.0.0.1", cfg["port"], cfg["lease_s"],
                     cfg["timeout_s"], cfg.get("secret"), TransferStats(),
                     cfg.get("stall_before_send_s", 0.0))

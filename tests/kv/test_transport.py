@@ -24,7 +24,7 @@ from tests.kv.producer_proc import make_caches
 ROOT = Path(__file__).resolve().parents[2]
 SHAPE = [2, 32, 128]  # kv_heads, block_size, C
 BASE = {"num_layers": 3, "num_blocks": 16, "shape": SHAPE, "dtype": "bfloat16", "model": "m",
-        "block_size": 32, "layout": "LBHNC", "lease_s": 30.0, "timeout_s": 5.0, "seed": 7}
+        "block_size": 32, "lease_s": 30.0, "timeout_s": 5.0, "seed": 7}
 
 
 class ProducerProc:
@@ -75,7 +75,7 @@ def consumers():
         for t in caches.values():
             t.zero_()
         c = Consumer("test-d", "127.0.0.1", cfg["timeout_s"], cfg.get("secret"), TransferStats())
-        c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], cfg["layout"], caches))
+        c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], caches))
         c.caches = caches
         started.append(c)
         return c
@@ -194,3 +194,35 @@ def test_dead_producer_address_fails_fast(consumers) -> None:
         assert time.monotonic() - t0 < 5
         time.sleep(0.01)
     assert res is None and not results[0].ok and "cannot reach" in results[0].error
+
+
+def test_layout_mismatch_is_refused(producers, consumers) -> None:
+    """A GPU-style [B, N, H, C] memory order must not be mistaken for the CPU's [B, H, N, C]."""
+    from splitserve.kv.spec import physical_layout
+
+    p, c = producers(), consumers()
+    strided = {k: v.permute(0, 2, 1, 3).contiguous().permute(0, 2, 1, 3)
+               for k, v in c.caches.items()}
+    assert physical_layout(next(iter(strided.values()))) == "LBNHC"
+    c.start(strided, spec_from_caches("m", BASE["block_size"], strided))
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1])
+    res = pull(c, p, "t1", [1], [2])
+    assert not res.ok and "layout: ours 'LBHNC', peer's 'LBNHC'" in res.error
+
+
+def test_concurrent_pulls_from_one_producer_land_in_their_own_blocks(producers, consumers):
+    p, c = producers(num_blocks=32), consumers(num_blocks=32)
+    jobs = {f"t{i}": ([2 * i + 1, 2 * i + 2], [30 - 2 * i, 29 - 2 * i]) for i in range(8)}
+    for tid, (remote, _) in jobs.items():
+        p.cmd(op="hold", transfer_id=tid, block_ids=remote)
+    for tid, (remote, local) in jobs.items():
+        c.submit(PullJob(tid, tid, "127.0.0.1", p.cfg["port"], None, local, remote))
+    results: list[LoadResult] = []
+    deadline = time.monotonic() + 30
+    while len(results) < len(jobs) and time.monotonic() < deadline:
+        results += c.take_results()
+        time.sleep(0.01)
+    assert sorted(r.req_id for r in results if r.ok) == sorted(jobs)
+    for remote, local in jobs.values():
+        for name, want in p.expected(remote).items():
+            assert torch.equal(c.caches[name][local].view(torch.uint8), want.view(torch.uint8))

@@ -1,0 +1,202 @@
+"""The connector inside real vLLM engines (CPU, separate engine processes, real gloo).
+
+Engines, shared by the module (starting one costs ~15 s on 2 cores):
+  P   producer (prefill), short lease so the expiry test is quick
+  D   consumer, kv_load_failure_policy "recompute", fault injection allowed
+  DF  consumer, policy "fail"
+  C   plain colocated engine: the reference every disaggregated output must equal
+After every test all four are idle with no KV block in use (leak check).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import pytest
+
+from splitserve.engine import EngineConfig, build_engine
+from splitserve.engine_stats import EngineMonitor
+from tests.kv.test_transport import ProducerProc
+from tests.utils import (GOLDEN_LENGTHS, LoopThread, collect, disagg_greedy, engine_greedy,
+                         make_prompts, wait_idle)
+
+pytestmark = pytest.mark.slow
+LEASE_S = 4.0
+TIMEOUT_S = 5.0
+MAX_TOKENS = 16
+
+
+class Cluster:
+    def __init__(self, model_dir: Path) -> None:
+        self.model = str(model_dir)
+        self.loop = LoopThread()
+        self.monitors: dict[str, EngineMonitor] = {}
+        self.engines = {}
+        base = {"model": self.model, "dtype": "float32", "kv_cache_mib": 128}
+        kv = {"lease_s": LEASE_S, "timeout_s": TIMEOUT_S}
+        configs = {
+            "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P",
+                              kv_connector_config=kv),
+            "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
+                              kv_connector_config={**kv, "allow_fault_injection": True}),
+            "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
+                               kv_failure_policy="fail", kv_connector_config=kv),
+            "C": EngineConfig(**base),
+        }
+        for name, cfg in configs.items():
+            self.monitors[name] = EngineMonitor()
+            self.engines[name] = self.loop.run(self._build(cfg, self.monitors[name]))
+
+    @staticmethod
+    async def _build(cfg: EngineConfig, monitor: EngineMonitor):
+        return build_engine(cfg, monitor)
+
+    def __getattr__(self, name: str):
+        if name in ("P", "D", "DF", "C"):
+            return self.engines[name]
+        raise AttributeError(name)
+
+    def run(self, coro, timeout: float = 300.0):
+        return self.loop.run(coro, timeout)
+
+    def assert_idle(self) -> None:
+        async def all_idle() -> None:
+            await asyncio.gather(*(wait_idle(m) for m in self.monitors.values()))
+
+        self.run(all_idle())
+
+    def close(self) -> None:
+        for e in self.engines.values():
+            e.shutdown()
+        self.loop.close()
+
+
+@pytest.fixture(scope="module")
+def cluster(tiny_model_dir: Path):
+    c = Cluster(tiny_model_dir)
+    yield c
+    c.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(cluster: Cluster):
+    yield
+    cluster.assert_idle()
+
+
+def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluster) -> None:
+    prompts = make_prompts(Path(cluster.model), GOLDEN_LENGTHS, seed=1)
+    want = cluster.run(engine_greedy(cluster.C, prompts, MAX_TOKENS))
+
+    async def all_disagg():
+        return await asyncio.gather(*(
+            disagg_greedy(cluster.P, cluster.D, ids, MAX_TOKENS, f"gold{i}")
+            for i, ids in enumerate(prompts)))
+
+    before = cluster.monitors["D"].snapshot().transfers.transfers
+    got = cluster.run(all_disagg())
+    for n, w, (g, _) in zip(GOLDEN_LENGTHS, want, got):
+        assert g == w, f"{n}-token prompt: disaggregated {g} != colocated {w}"
+    # Every prompt pulled its KV (D computes only the first generated token's KV itself).
+    pulled = cluster.monitors["D"].snapshot().transfers
+    assert pulled.transfers - before == len(GOLDEN_LENGTHS)
+    assert pulled.failures == 0 and pulled.bytes > 0
+
+
+def test_consumer_prefix_cache_hit_shrinks_the_pull(cluster: Cluster) -> None:
+    (ids,) = make_prompts(Path(cluster.model), [300], seed=2)
+    want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
+    mon = cluster.monitors["D"]
+    b0 = mon.snapshot().transfers.bytes
+    first = cluster.run(disagg_greedy(cluster.P, cluster.D, ids, MAX_TOKENS, "pc1"))[0]
+    b1 = mon.snapshot().transfers.bytes - b0
+    second = cluster.run(disagg_greedy(cluster.P, cluster.D, ids, MAX_TOKENS, "pc2"))[0]
+    b2 = mon.snapshot().transfers.bytes - b0 - b1
+    assert first == second == want
+    # 300 tokens = 2 full blocks + a partial one. The second time D has the 2 full blocks in its
+    # prefix cache and pulls only the partial last block: a third of the bytes.
+    assert b1 > 0 and b2 * 3 == b1
+
+
+def test_kv_really_travels_corrupted_bytes_change_the_output(cluster: Cluster) -> None:
+    (ids,) = make_prompts(Path(cluster.model), [200], seed=3)
+    want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
+    clean = cluster.run(disagg_greedy(cluster.P, cluster.D, ids, MAX_TOKENS, "clean"))[0]
+    (ids2,) = make_prompts(Path(cluster.model), [200], seed=4)  # no prefix-cache help
+    want2 = cluster.run(engine_greedy(cluster.C, [ids2], MAX_TOKENS))[0]
+    bad = cluster.run(disagg_greedy(cluster.P, cluster.D, ids2, MAX_TOKENS, "bad",
+                                    decode_params={"fault": "corrupt"}))[0]
+    assert clean == want
+    assert bad[0] == want2[0]  # the first token comes from the prefill engine
+    assert bad[1:] != want2[1:], "corrupting the pulled KV did not change the output"
+
+
+def test_unpulled_lease_expires_and_a_late_pull_recomputes(cluster: Cluster) -> None:
+    from vllm import SamplingParams
+
+    (ids,) = make_prompts(Path(cluster.model), [260], seed=5)
+    want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
+    p = SamplingParams(temperature=0.0, max_tokens=1,
+                       extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+    out = cluster.run(collect(cluster.P, ids, p, "lease"))
+    held_at = time.monotonic()
+    params = out.kv_transfer_params
+    assert len(params["remote_block_ids"]) == 3  # 260 tokens: 2 full blocks + partial
+    mon = cluster.monitors["P"]
+    assert mon.snapshot().kv_cache_usage > 0  # held under the lease
+    cluster.run(wait_idle(mon, timeout=LEASE_S + 10))  # freed without anyone pulling
+    assert time.monotonic() - held_at >= LEASE_S - 0.5
+    assert mon.snapshot().transfers.lease_expired >= 1
+    # A decode that arrives too late is refused by the producer; policy "recompute" prefills
+    # locally and the answer is still right.
+    failures = cluster.monitors["D"].snapshot().transfers.failures
+    d = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - 1,
+                       extra_args={"kv_transfer_params": params})
+    late = cluster.run(collect(cluster.D, ids + [out.outputs[0].token_ids[0]], d, "late"))
+    assert [out.outputs[0].token_ids[0], *late.outputs[0].token_ids] == want
+    assert cluster.monitors["D"].snapshot().transfers.failures == failures + 1
+
+
+def test_failure_policy_fail_ends_the_request_with_error(cluster: Cluster) -> None:
+    (ids,) = make_prompts(Path(cluster.model), [140], seed=6)
+    # A transfer id the producer never held: refused after its registration wait.
+    tokens, reason = cluster.run(disagg_greedy(
+        cluster.P, cluster.DF, ids, MAX_TOKENS, "nohold",
+        decode_params={"transfer_id": "no-such-transfer"}))
+    assert reason == "error" and tokens[1:] == []
+
+
+def test_producer_killed_mid_transfer(cluster: Cluster, tiny_model_dir: Path) -> None:
+    """A producer process dies after accepting a pull: the decode engine fails the request
+    within its timeout (policy fail), and every block it allocated returns to the pool."""
+    from vllm import SamplingParams
+
+    cfg = json.loads((tiny_model_dir / "config.json").read_text())
+    head = cfg["hidden_size"] // cfg["num_attention_heads"]
+    fake = ProducerProc(num_layers=cfg["num_hidden_layers"], num_blocks=8,
+                        shape=[cfg["num_key_value_heads"], 128, 2 * head], dtype="float32",
+                        model=cluster.model, block_size=128, timeout_s=TIMEOUT_S,
+                        stall_before_send_s=120.0)
+    try:
+        fake.cmd(op="hold", transfer_id="doomed", block_ids=[1, 2])
+        (ids,) = make_prompts(Path(cluster.model), [200], seed=7)
+        params = {"do_remote_prefill": True, "transfer_id": "doomed", "remote_engine_id": None,
+                  "remote_host": "127.0.0.1", "remote_port": fake.cfg["port"],
+                  "remote_block_ids": [1, 2], "remote_num_tokens": 200}
+        d = SamplingParams(temperature=0.0, max_tokens=8,
+                           extra_args={"kv_transfer_params": params})
+        fut = asyncio.run_coroutine_threadsafe(collect(cluster.DF, ids + [5], d, "doomed"),
+                                               cluster.loop.loop)
+        time.sleep(2.0)  # the pull is accepted and the producer stalls before sending
+        assert not fut.done()
+        assert cluster.monitors["DF"].snapshot().kv_cache_usage > 0
+        fake.proc.kill()
+        killed = time.monotonic()
+        out = fut.result(timeout=TIMEOUT_S + 15)
+        assert time.monotonic() - killed < TIMEOUT_S + 5
+        assert out.outputs[0].finish_reason == "error"
+    finally:
+        fake.close()
