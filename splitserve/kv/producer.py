@@ -209,7 +209,8 @@ class Producer:
 
     def _claim(self, tid: str) -> tuple[_Held | None, str | None]:
         """The held transfer `tid`, waiting briefly for it to be registered."""
-        deadline = time.monotonic() + REGISTER_WAIT_S
+        # Half the transfer timeout at most: the consumer must hear "unknown" before it gives up.
+        deadline = time.monotonic() + min(REGISTER_WAIT_S, self.timeout_s / 2)
         with self._cond:
             while tid not in self._held:
                 if tid in self._expired:
