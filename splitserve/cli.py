@@ -1,46 +1,189 @@
-"""The `splitserve` command: one subcommand per job, heavy imports only inside each job."""
+"""The `splitserve` command: one subcommand per job, heavy imports only inside each job.
+
+  up          router + workers on this host (the local cluster)
+  router      the router alone          prefill / decode / colocated   one worker each
+  generate    stream a completion from a router
+  generate-local   one in-process engine, no cluster
+  make-tiny-model  write the embedded default model
+Every flag has a default that works on a laptop; flags are turned into the components' frozen
+config dataclasses here and nowhere else.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import sys
 
 
-def _make_tiny_model(args: argparse.Namespace) -> int:
-    from splitserve.tiny_model import write_model
+def _engine_flags(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engine")
+    g.add_argument("--model", default=None,
+                   help="HF model directory, or 'tiny'/'bench' (default: the embedded tiny model)")
+    g.add_argument("--dtype", default="bfloat16", help="model dtype (bfloat16, float16, float32)")
+    g.add_argument("--max-model-len", type=int, default=4096)
+    g.add_argument("--block-size", type=int, default=128)
+    g.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size per engine")
+    g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--cpu-cores", default="auto",
+                   help="CPU only: cores for this engine, e.g. 0 or 2-3 (default: vLLM's auto)")
+    g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
+    g.add_argument("--kv-host", default="127.0.0.1", help="address peers use for KV transfer")
+    g.add_argument("--kv-lease-s", type=float, default=30.0)
+    g.add_argument("--kv-timeout-s", type=float, default=10.0)
+    g.add_argument("--kv-secret", default=None, help="shared secret (or $SPLITSERVE_KV_SECRET)")
 
-    out = write_model(args.dir, args.preset, args.seed)
-    print(f"wrote the {args.preset} model (seed {args.seed}) to {out}")
+
+def _engine_argv(a: argparse.Namespace) -> list[str]:
+    """The same engine flags, passed on by `up` to each worker."""
+    out = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--block-size",
+           str(a.block_size), "--kv-cache-mib", str(a.kv_cache_mib), "--max-num-seqs",
+           str(a.max_num_seqs), "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
+           a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s)]
+    return out + (["--kv-secret", a.kv_secret] if a.kv_secret else [])
+
+
+def _worker(role: str):
+    def run(a: argparse.Namespace) -> int:
+        from splitserve.engine import EngineConfig
+        from splitserve.tiny_model import resolve_model
+        from splitserve.worker.core import WorkerConfig
+        from splitserve.worker.server import serve
+
+        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "colocated": None}[role]
+        kv = {"host": a.kv_host, "lease_s": a.kv_lease_s, "timeout_s": a.kv_timeout_s}
+        if a.kv_secret:
+            kv["secret"] = a.kv_secret
+        engine = EngineConfig(
+            model=resolve_model(a.model), dtype=a.dtype, max_model_len=a.max_model_len,
+            block_size=a.block_size, kv_cache_mib=a.kv_cache_mib, max_num_seqs=a.max_num_seqs,
+            kv_role=kv_role, kv_connector_config=kv if kv_role else {},
+            kv_failure_policy=a.kv_failure_policy, cpu_cores=a.cpu_cores)
+        cfg = WorkerConfig(role=role, engine=engine, host=a.host, port=a.port, router=a.router,
+                           worker_id=a.worker_id, model_name=a.model_name)
+        asyncio.run(serve(cfg, a.ready_file))
+        return 0
+    return run
+
+
+def _router(a: argparse.Namespace) -> int:
+    from router.config import RouterConfig
+    from router.server import serve
+    from splitserve.tiny_model import resolve_model
+
+    cfg = RouterConfig(
+        model_dir=resolve_model(a.model), model_name=a.model_name, host=a.host, port=a.grpc_port,
+        max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
+        local_prefill_threshold=a.local_prefill_threshold,
+        heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
+        static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
+    asyncio.run(serve(cfg, a.ready_file))
     return 0
 
 
-def _run_local(args: argparse.Namespace) -> int:
+def _up(a: argparse.Namespace) -> int:
+    from splitserve.launch import up
+    from splitserve.tiny_model import resolve_model
+
+    model = resolve_model(a.model)  # generate the default model once, before the workers race
+    router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
+                   str(a.max_concurrency), "--max-queue", str(a.max_queue)]
+    return up(model, a.prefill, a.decode, a.colocated, a.grpc_port, _engine_argv(a), router_args)
+
+
+def _generate(a: argparse.Namespace) -> int:
+    from splitserve.client import generate
+
+    if a.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout)
+
+
+def _make_tiny_model(a: argparse.Namespace) -> int:
+    from splitserve.tiny_model import write_model
+
+    out = write_model(a.dir, a.preset, a.seed)
+    print(f"wrote the {a.preset} model (seed {a.seed}) to {out}")
+    return 0
+
+
+def _generate_local(a: argparse.Namespace) -> int:
     from splitserve.local_generate import run
 
-    return run(args)
+    return run(a)
+
+
+def _router_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--max-concurrency", type=int, default=64)
+    p.add_argument("--max-queue", type=int, default=256)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="splitserve", description=__doc__)
+    p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
     sub = p.add_subparsers(dest="command", required=True)
+
+    u = sub.add_parser("up", help="router + workers on this host")
+    _engine_flags(u)
+    _router_flags(u)
+    u.add_argument("--prefill", type=int, default=1, help="prefill workers")
+    u.add_argument("--decode", type=int, default=1, help="decode workers")
+    u.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers")
+    u.add_argument("--grpc-port", type=int, default=50051)
+    u.set_defaults(func=_up)
+
+    r = sub.add_parser("router", help="the router alone")
+    r.add_argument("--model", default=None)
+    r.add_argument("--model-name", default=None)
+    r.add_argument("--host", default="127.0.0.1")
+    r.add_argument("--grpc-port", type=int, default=50051)
+    r.add_argument("--max-model-len", type=int, default=4096)
+    _router_flags(r)
+    r.add_argument("--local-prefill-threshold", type=int, default=0)
+    r.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
+    for role in ("prefill", "decode", "colocated"):
+        r.add_argument(f"--static-{role}", action="append", default=[], metavar="ADDR",
+                       help=f"a {role} worker that does not register (repeatable)")
+    r.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    r.set_defaults(func=_router)
+
+    for role in ("prefill", "decode", "colocated"):
+        w = sub.add_parser(role, help=f"one {role} worker")
+        _engine_flags(w)
+        w.add_argument("--host", default="127.0.0.1")
+        w.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
+        w.add_argument("--router", default=None, help="router address to register with")
+        w.add_argument("--worker-id", default=None)
+        w.add_argument("--model-name", default=None)
+        w.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+        w.set_defaults(func=_worker(role))
+
+    g = sub.add_parser("generate", help="stream a completion from a router")
+    g.add_argument("prompt")
+    g.add_argument("--router", default="127.0.0.1:50051")
+    g.add_argument("--max-tokens", type=int, default=32)
+    g.add_argument("--temperature", type=float, default=0.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    g.set_defaults(func=_generate)
+
+    gl = sub.add_parser("generate-local", help="stream from one in-process engine (no cluster)")
+    gl.add_argument("prompt")
+    gl.add_argument("--model", default=None)
+    gl.add_argument("--max-tokens", type=int, default=32)
+    gl.add_argument("--temperature", type=float, default=0.0)
+    gl.add_argument("--seed", type=int, default=None)
+    gl.add_argument("--dtype", default="bfloat16")
+    gl.set_defaults(func=_generate_local)
 
     m = sub.add_parser("make-tiny-model", help="write the embedded default model to DIR")
     m.add_argument("dir")
     m.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
     m.add_argument("--seed", type=int, default=0)
     m.set_defaults(func=_make_tiny_model)
-
-    g = sub.add_parser("generate-local", help="stream a completion from one in-process vLLM engine")
-    g.add_argument("prompt")
-    g.add_argument("--model", default=None, help="HF model dir, or 'tiny'/'bench' (default tiny)")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--dtype", default="bfloat16")
-    g.set_defaults(func=_run_local)
     return p
 
 

@@ -52,6 +52,10 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     enforce_eager: bool = True  # no compile/graph capture: start-up in seconds, not minutes
     seed: int = 0
+    # CPU only: cores for this engine's compute threads ("0", "2-3"), or "auto" (vLLM's choice).
+    # Several engines on one host must not share cores: vLLM's "auto" binds each of them to the
+    # same first core, and their spinning OpenMP threads then starve each other.
+    cpu_cores: str = "auto"
     # KV transfer: None = plain engine (colocated); else one of KV_ROLES with our connector.
     kv_role: str | None = None
     kv_connector_config: dict[str, Any] = field(default_factory=dict)
@@ -113,6 +117,8 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
 
     # The engine core is spawned; callers' entry points must be under `if __name__ == "__main__"`.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # Read by the engine's worker process, which inherits our environment when it is spawned.
+    os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
     log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype, cfg.kv_role)
     loggers = [monitor.factory] if monitor is not None else None
     return AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
@@ -131,3 +137,9 @@ def running_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None
         # half-unloaded modules. Collect it now, while everything is still importable.
         del engine
         gc.collect()
+
+
+def spread_cores(index: int) -> str:
+    """The core for the `index`-th engine on this host: engines take the cores round-robin."""
+    cores = sorted(os.sched_getaffinity(0))
+    return str(cores[index % len(cores)])

@@ -1,0 +1,299 @@
+"""KV transfer throughput: our pair channel and connector against their ceilings, per size.
+
+    python bench/kv_transfer.py [--sizes-mb 1,16,128] [--repeats N] [--json FILE]
+
+Sizes are MiB (2**20 bytes); GB/s is bytes / seconds / 1e9. The network columns are measured by
+the receiver (this process) from a sender in a spawned child, both on 127.0.0.1: after one
+warm-up message the receiver starts its clock, sends a 1-byte "go", and receives `repeats`
+messages sent back to back; the figure is repeats * size / elapsed (no round trip per message).
+Per size, all methods run back to back, so a busy neighbour skews a row rather than a ratio.
+
+Columns:
+  pair_channel_gbps  a uint8 tensor from rank 0 to rank 1 over PairChannel (gloo on CPU); the
+                     receiver recvs into the channel's reused staging buffer, as in production.
+  tcp_loopback_gbps  raw TCP over loopback: sendall of a memoryview, recv_into a preallocated
+                     buffer until it is full. Gloo's CPU transport is itself TCP sockets (one
+                     connected pair per peer), so this is the ceiling of the gloo path: gloo can
+                     only add framing, a send/recv rendezvous and thread hand-offs on top of it.
+  memcpy_gbps        dst.copy_(src) of uint8 tensors in one process: the local memory ceiling
+                     (loopback TCP copies every byte at least twice, user -> kernel -> user).
+  connector_gbps     the whole transport path: this process's Consumer pulls a PullJob from a
+                     Producer in a child process (gather -> side-channel request -> pair channel
+                     -> scatter), timed submit -> result, a new held transfer per repeat: two
+                     more copies (gather, scatter) and a side-channel round trip than the above.
+  pair_vs_tcp        pair_channel_gbps / tcp_loopback_gbps (1.0: gloo costs nothing over TCP).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import multiprocessing as mp
+import os
+import platform
+import socket
+import subprocess
+import sys
+import threading
+import time
+import uuid
+from collections.abc import Callable, Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from splitserve.kv.consumer import Consumer, LoadResult, PullJob
+from splitserve.kv.pair_channel import (CONSUMER_RANK, PRODUCER_RANK, PairChannel, connect_store,
+                                        host_store)
+from splitserve.kv.producer import Producer
+from splitserve.kv.spec import spec_from_caches
+from splitserve.kv.stats import TransferStats
+
+MIB = 1 << 20
+HOST = "127.0.0.1"
+TIMEOUT_S = 30.0
+CPU = torch.device("cpu")
+# Connector cache: 2 layers of [blocks, 2 kv heads, 128 tokens, 128] bf16 = 128 KiB per block.
+LAYERS, BLOCK_SHAPE, DTYPE = 2, (2, 128, 128), torch.bfloat16
+BLOCK_BYTES = LAYERS * BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * BLOCK_SHAPE[2] * DTYPE.itemsize
+PRODUCER_ID = "bench-p"
+DEFAULT_REPEATS = 10
+COLUMNS = ("pair_channel_gbps", "tcp_loopback_gbps", "memcpy_gbps", "connector_gbps",
+           "pair_vs_tcp")
+Measure = Callable[[int], float]  # size in bytes -> GB/s; called once per size, in order
+
+
+def gbps(nbytes: int, seconds: float) -> float:
+    return nbytes / seconds / 1e9
+
+
+@contextmanager
+def child(target: Callable[..., None], *args: Any) -> Iterator[None]:
+    """A spawned child for the block's duration: joined on success, killed on any error."""
+    proc = mp.get_context("spawn").Process(target=target, args=args, daemon=True)
+    proc.start()
+    try:
+        yield
+        proc.join(TIMEOUT_S)
+        if proc.exitcode != 0:
+            raise RuntimeError(f"{target.__name__} child ended with exit code {proc.exitcode}")
+    finally:
+        if proc.is_alive():
+            proc.kill()
+        proc.join()
+
+
+# -- pair channel (gloo) and raw TCP: the sender is a child, the receiver this process ----------
+def _sender_loop(send: Callable[[int], object], wait_flag: Callable[[], object], sizes: list[int],
+                 repeats: int) -> None:
+    for n in sizes:
+        send(n)  # warm-up
+        wait_flag()  # go
+        for _ in range(repeats):
+            send(n)
+    wait_flag()  # done: all arrived, so closing the connection loses nothing
+
+
+def _timed(recv: Callable[[int], object], go: Callable[[], object], n: int,
+           repeats: int) -> float:
+    """GB/s of `repeats` recv(n) after a warm-up one, the clock started just before go()."""
+    recv(n)  # warm-up
+    t0 = time.perf_counter()
+    go()
+    for _ in range(repeats):
+        recv(n)
+    return gbps(repeats * n, time.perf_counter() - t0)
+
+
+def _pair_sender(store_port: int, pair_key: str, sizes: list[int], repeats: int) -> None:
+    chan = PairChannel(connect_store(HOST, store_port, TIMEOUT_S), pair_key, PRODUCER_RANK, CPU,
+                       TIMEOUT_S, HOST)
+    buf, flag = torch.ones(max(sizes), dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
+    tags = itertools.count(1)  # both sides draw tags in the same order
+    try:
+        _sender_loop(lambda n: chan.send(buf[:n], next(tags)), lambda: chan.recv(flag, next(tags)),
+                     sizes, repeats)
+    finally:
+        chan.close()
+
+
+@contextmanager
+def pair_channel(sizes: list[int], repeats: int) -> Iterator[Measure]:
+    store, key = host_store(HOST, 0, TIMEOUT_S), f"bench/{uuid.uuid4().hex}"
+    with child(_pair_sender, store.port, key, sizes, repeats):
+        chan = PairChannel(store, key, CONSUMER_RANK, CPU, TIMEOUT_S, HOST)
+        flag, tags = torch.ones(1, dtype=torch.uint8), itertools.count(1)
+        try:
+            yield lambda n: _timed(lambda k: chan.recv(chan.staging(k), next(tags)),
+                                   lambda: chan.send(flag, next(tags)), n, repeats)
+            chan.send(flag, next(tags))  # done
+        finally:
+            chan.close()
+
+
+def _recv_full(sock: socket.socket, view: memoryview) -> None:
+    got = 0
+    while got < len(view):
+        k = sock.recv_into(view[got:])
+        if not k:
+            raise ConnectionError("peer closed the connection")
+        got += k
+
+
+def _tcp_sender(port: int, sizes: list[int], repeats: int) -> None:
+    buf, flag = memoryview(bytearray(max(sizes))), memoryview(bytearray(1))
+    with socket.create_connection((HOST, port), timeout=TIMEOUT_S) as sock:
+        _sender_loop(lambda n: sock.sendall(buf[:n]), lambda: _recv_full(sock, flag), sizes,
+                     repeats)
+
+
+@contextmanager
+def tcp_loopback(sizes: list[int], repeats: int) -> Iterator[Measure]:
+    with socket.create_server((HOST, 0)) as srv:
+        srv.settimeout(TIMEOUT_S)
+        with child(_tcp_sender, srv.getsockname()[1], sizes, repeats):
+            conn, buf = srv.accept()[0], memoryview(bytearray(max(sizes)))
+            with conn:
+                conn.settimeout(TIMEOUT_S)
+                yield lambda n: _timed(lambda k: _recv_full(conn, buf[:k]),
+                                       lambda: conn.sendall(b"g"), n, repeats)
+                conn.sendall(b"d")
+
+
+def memcpy(n: int, repeats: int) -> float:
+    src, dst = torch.ones(n, dtype=torch.uint8), torch.empty(n, dtype=torch.uint8)
+    return _timed(lambda _: dst.copy_(src), lambda: None, n, repeats)
+
+
+# -- connector: a Producer child, this process's Consumer -----------------------------------------
+def _caches(num_blocks: int) -> dict[str, torch.Tensor]:
+    return {f"layers.{i}.attn": torch.ones(num_blocks, *BLOCK_SHAPE, dtype=DTYPE)
+            for i in range(LAYERS)}
+
+
+def _producer_child(num_blocks: int) -> None:
+    """Child entry: a Producer driven by one JSON command per stdin line (hold; anything else
+    or EOF ends it), one JSON reply per stdout line."""
+    caches = _caches(num_blocks)
+    prod = Producer(PRODUCER_ID, HOST, 0, 120.0, TIMEOUT_S, None, TransferStats())
+    prod.start(caches, spec_from_caches("bench", BLOCK_SHAPE[1], caches))
+    print(json.dumps({"port": prod.side_port}), flush=True)
+    for line in sys.stdin:
+        cmd = json.loads(line)
+        if cmd.get("op") != "hold":
+            break
+        prod.hold(cmd["transfer_id"], cmd["block_ids"])
+        print(json.dumps({"ok": True}), flush=True)
+    prod.shutdown()
+
+
+class _SignalingConsumer(Consumer):
+    """Sets `done` as each job finishes, so the clock stops at the result, not at a poll."""
+
+    def __init__(self) -> None:
+        super().__init__("bench-d", HOST, TIMEOUT_S, None, TransferStats(), max_workers=1)
+        self.done = threading.Event()
+
+    def _finish(self, result: LoadResult) -> None:
+        super()._finish(result)
+        self.done.set()
+
+
+@contextmanager
+def connector(sizes: list[int], repeats: int) -> Iterator[Measure]:
+    max_blocks = max(1, round(max(sizes) / BLOCK_BYTES))
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--producer-child", str(max_blocks)]
+    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    stdin, stdout, cons = proc.stdin, proc.stdout, _SignalingConsumer()
+
+    def tell(**msg: Any) -> None:
+        stdin.write(json.dumps(msg) + "\n")
+        stdin.flush()
+
+    try:
+        port = int(json.loads(stdout.readline())["port"])
+        caches = _caches(max_blocks)
+        cons.start(caches, spec_from_caches("bench", BLOCK_SHAPE[1], caches))
+
+        def pull(ids: list[int]) -> float:
+            tid = uuid.uuid4().hex
+            tell(op="hold", transfer_id=tid, block_ids=ids)
+            assert json.loads(stdout.readline())["ok"]
+            cons.done.clear()
+            t0 = time.perf_counter()
+            cons.submit(PullJob(tid, tid, HOST, port, PRODUCER_ID, ids, ids))
+            if not cons.done.wait(2 * TIMEOUT_S):
+                raise TimeoutError(f"pull of {len(ids)} blocks got no result")
+            seconds = time.perf_counter() - t0
+            (res,) = cons.take_results()
+            if not res.ok:
+                raise RuntimeError(f"pull failed: {res.error}")
+            return seconds
+
+        def measure(n: int) -> float:
+            ids = list(range(max(1, round(n / BLOCK_BYTES))))
+            seconds = [pull(ids) for _ in range(repeats + 1)]  # [0]: warm-up (and handshake)
+            return gbps(repeats * len(ids) * BLOCK_BYTES, sum(seconds[1:]))
+
+        yield measure
+        tell(op="quit")
+        proc.wait(TIMEOUT_S)
+    finally:
+        cons.shutdown()
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+
+
+# -- driver ----------------------------------------------------------------------------------------
+def run(sizes_mb: list[int], repeats: int) -> list[dict[str, float]]:
+    sizes = [mb * MIB for mb in sizes_mb]
+    rows: list[dict[str, float]] = []
+    with ExitStack() as stack:
+        pair = stack.enter_context(pair_channel(sizes, repeats))
+        tcp = stack.enter_context(tcp_loopback(sizes, repeats))
+        pull = stack.enter_context(connector(sizes, repeats))
+        for mb, n in zip(sizes_mb, sizes):
+            row = {"size_mb": mb, "pair_channel_gbps": pair(n), "tcp_loopback_gbps": tcp(n),
+                   "memcpy_gbps": memcpy(n, repeats), "connector_gbps": pull(n)}
+            rows.append({**row, "pair_vs_tcp": row["pair_channel_gbps"] / row["tcp_loopback_gbps"]})
+    return rows
+
+
+def machine() -> dict[str, Any]:
+    return {"cpu_count": os.cpu_count(), "torch": torch.__version__,
+            "torch_threads": torch.get_num_threads(), "python": platform.python_version(),
+            "platform": platform.platform(), "loadavg_1m": os.getloadavg()[0]}
+
+
+def table(rows: list[dict[str, float]]) -> str:
+    lines = [f"{'size_mb':>8}" + "".join(f"{c:>19}" for c in COLUMNS) + "   (GB/s = 1e9 B/s)"]
+    lines += [f"{r['size_mb']:>8}" + "".join(f"{r[c]:>19.2f}" for c in COLUMNS) for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description="KV transfer throughput (see the module docstring)")
+    ap.add_argument("--sizes-mb", default="1,16,128", help="comma-separated sizes in MiB")
+    ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed messages per size")
+    ap.add_argument("--json", type=Path, help="also write the results to this file")
+    ap.add_argument("--producer-child", type=int, help=argparse.SUPPRESS)  # internal entry
+    args = ap.parse_args()
+    if args.producer_child is not None:
+        return _producer_child(args.producer_child)
+    sizes_mb = [int(s) for s in args.sizes_mb.split(",") if s.strip()]
+    if not sizes_mb or min(sizes_mb) <= 0 or args.repeats <= 0:
+        ap.error("sizes and repeats must be positive")
+    rows = run(sizes_mb, args.repeats)
+    print(table(rows))
+    if args.json:
+        args.json.write_text(json.dumps({"rows": rows, "machine": machine(),
+                                         "repeats": args.repeats}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,62 @@
+"""DecodeWorker: continues a request from pulled KV (or prefills it itself) and streams tokens.
+
+Lifecycle of one request here: Decode(prompt ids + first token, KV params) → the consumer
+connector pulls the prompt's KV from the prefill worker while the request waits
+(WAITING_FOR_REMOTE_KVS) → vLLM computes only the new token's KV and decodes → token deltas
+stream back until a finish reason. Without KV params the worker prefills locally: that is the
+colocated role, and the router's choice for prompts too short to be worth a transfer.
+A cancelled RPC (client gone, deadline, stop string) aborts the vLLM request, freeing its blocks.
+"""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.worker.convert import finish_reason_to_proto, kv_params_from_proto, sampling_to_vllm
+from splitserve.worker.core import WorkerCore, rpc_errors
+from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+
+class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    async def Decode(self, request: worker_pb2.DecodeRequest, context):
+        t0 = time.perf_counter()
+        async with rpc_errors(context, request.request_id):
+            if not request.prompt_token_ids:
+                raise ValueError("prompt_token_ids: must not be empty")
+            kv = (kv_params_from_proto(request.kv_transfer_params)
+                  if request.HasField("kv_transfer_params") else None)
+            if kv is not None and self.core.cfg.role != "decode":
+                raise ValueError("kv_transfer_params: this worker cannot pull KV "
+                                 f"(role {self.core.cfg.role})")
+            with self.core.admit(context) as engine:
+                params = sampling_to_vllm(request.sampling, kv_transfer_params=kv)
+                t_first = None
+                async for out in engine.generate({"prompt_token_ids": list(request.prompt_token_ids)},
+                                                 params, request_id=request.request_id):
+                    output = out.outputs[0]
+                    if t_first is None and output.token_ids:
+                        t_first = time.perf_counter()
+                    chunk = worker_pb2.DecodeResponse(token_ids=output.token_ids)
+                    if output.logprobs:
+                        chunk.logprobs.extend(float(lp[t].logprob) for t, lp in
+                                              zip(output.token_ids, output.logprobs))
+                    if output.finish_reason is not None:
+                        chunk.finish_reason = finish_reason_to_proto(output.finish_reason)
+                        now = time.perf_counter()
+                        first = t_first or now
+                        # With pulled KV, the wait before the first token is the transfer (plus
+                        # one decode step); without, it is the local prefill.
+                        chunk.timings.CopyFrom(common_pb2.Timings(
+                            transfer_s=(first - t0) if kv else 0.0,
+                            prefill_s=0.0 if kv else (first - t0),
+                            decode_s=now - first, e2e_s=now - t0))
+                    yield chunk
+
+    async def Abort(self, request, context):
+        return await self.core.abort(request, context)
+
+    async def Stats(self, request, context):
+        return await self.core.stats(request, context)

@@ -1,0 +1,58 @@
+"""PrefillWorker: runs a prompt to its first token on a producer engine and holds its KV.
+
+Lifecycle of one request here: Prefill(prompt ids) → vLLM with max_tokens=1 and
+{"do_remote_decode": True} → first token + KV transfer params back to the router, while the
+connector holds the prompt's blocks under a lease until a decode worker pulls them.
+The request never decodes here; if its first token already ends it (EOS), nothing is held.
+"""
+
+from __future__ import annotations
+
+import time
+
+from splitserve.worker.convert import (finish_reason_to_proto, first_logprob, kv_params_to_proto,
+                                       sampling_to_vllm)
+from splitserve.worker.core import WorkerCore, rpc_errors
+from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+
+
+class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+        t0 = time.perf_counter()
+        async with rpc_errors(context, request.request_id):
+            if not request.prompt_token_ids:
+                raise ValueError("prompt_token_ids: must not be empty")
+            with self.core.admit(context) as engine:
+                # Hold the KV only when a decode worker will continue (the router says so by
+                # asking for more than one token).
+                wants_decode = (not request.sampling.HasField("max_tokens")
+                                or request.sampling.max_tokens > 1)
+                params = sampling_to_vllm(
+                    request.sampling, max_tokens=1, min_tokens=min(request.sampling.min_tokens, 1),
+                    kv_transfer_params={"do_remote_decode": True} if wants_decode else None)
+                final = None
+                async for out in engine.generate({"prompt_token_ids": list(request.prompt_token_ids)},
+                                                 params, request_id=request.request_id):
+                    final = out
+                output = final.outputs[0]
+                resp = worker_pb2.PrefillResponse(
+                    first_token_id=output.token_ids[0],
+                    num_prompt_tokens=len(request.prompt_token_ids),
+                    timings=common_pb2.Timings(prefill_s=time.perf_counter() - t0))
+                logprob = first_logprob(output)
+                if logprob is not None:
+                    resp.first_token_logprob = logprob
+                if final.kv_transfer_params:
+                    resp.kv_transfer_params.CopyFrom(kv_params_to_proto(final.kv_transfer_params))
+                elif output.finish_reason != "length" or not wants_decode:
+                    resp.finish_reason = finish_reason_to_proto(output.finish_reason)
+                return resp
+
+    async def Abort(self, request, context):
+        return await self.core.abort(request, context)
+
+    async def Stats(self, request, context):
+        return await self.core.stats(request, context)

@@ -1,0 +1,32 @@
+"""Router configuration: one frozen dataclass, filled from CLI flags in one place (cli)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    model_dir: str  # the model's HF directory: tokenizer.json, tokenizer_config.json, config.json
+    model_name: str | None = None  # served name; defaults to the directory's name
+    host: str = "127.0.0.1"
+    port: int = 50051  # gRPC (public Generation + internal Registry); 0 picks a free port
+    max_model_len: int = 4096  # prompt + max_tokens limit; must match the workers' engines
+    max_concurrency: int = 64  # requests in flight through the router at once
+    max_queue: int = 256  # requests waiting for a slot; beyond it RESOURCE_EXHAUSTED
+    # Prompts shorter than this prefill on the decode worker: a KV transfer costs more than
+    # recomputing a few tokens. 0 = always disaggregate when prefill workers exist.
+    local_prefill_threshold: int = 0
+    heartbeat_interval_s: float = 1.0
+    heartbeat_timeout_s: float = 3.0  # a worker silent this long is dropped
+    static_prefill: tuple[str, ...] = ()
+    static_decode: tuple[str, ...] = ()
+    static_colocated: tuple[str, ...] = ()
+    api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
+
+    def __post_init__(self) -> None:
+        for name in ("max_concurrency", "max_model_len", "heartbeat_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")

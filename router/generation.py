@@ -1,0 +1,207 @@
+"""The public `Generation` service: validate, admit, route, stream text back.
+
+Lifecycle of a request here: validate every field (INVALID_ARGUMENT naming the field) → tokenise
+once → admission (a bounded queue in front of `max_concurrency` slots; RESOURCE_EXHAUSTED beyond
+it) → choose workers (UNAVAILABLE if a role has none alive) → run_flow's token events →
+incremental detokenisation → stop strings (the text is trimmed and the decode side aborted) →
+final chunk with finish reason, usage and timings. The client's deadline bounds every worker call
+and its cancellation cancels them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+
+from router.config import RouterConfig
+from router.flow import FlowTimings, WorkerFailed, run_flow
+from router.policy import choose_decode, choose_prefill
+from router.registry import Worker, WorkerRegistry
+from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
+from router.validation import InvalidArgument, check_model, validate_prompt, validate_sampling
+from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+class Rejected(Exception):
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass
+class Admission:
+    """`max_concurrency` slots and at most `max_queue` requests waiting for one."""
+
+    max_concurrency: int
+    max_queue: int
+
+    def __post_init__(self) -> None:
+        self._slots = asyncio.Semaphore(self.max_concurrency)
+        self.waiting = 0
+        self.running = 0
+
+    async def acquire(self) -> None:
+        if self._slots.locked() and self.waiting >= self.max_queue:
+            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                           f"overloaded: {self.running} running and {self.waiting} queued "
+                           f"(max_queue {self.max_queue}); retry later")
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+
+    def release(self) -> None:
+        self.running -= 1
+        self._slots.release()
+
+
+class GenerationService(generation_pb2_grpc.GenerationServicer):
+    def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, tokenizer: RouterTokenizer,
+                 served_model: str) -> None:
+        self.cfg = cfg
+        self.registry = registry
+        self.tokenizer = tokenizer
+        self.served_model = served_model
+        self.admission = Admission(cfg.max_concurrency, cfg.max_queue)
+        self.rng = random.Random()
+
+    # -- RPCs ---------------------------------------------------------------------------------
+    async def Generate(self, request: generation_pb2.GenerateRequest, context):
+        async for chunk in self._guarded(request, context):
+            yield chunk
+
+    async def Complete(self, request: generation_pb2.GenerateRequest, context):
+        resp = generation_pb2.CompleteResponse()
+        async for chunk in self._guarded(request, context):
+            resp.request_id = chunk.request_id
+            resp.text += chunk.text
+            resp.token_ids.extend(chunk.token_ids)
+            resp.logprobs.extend(chunk.logprobs)
+            if chunk.HasField("finish_reason"):
+                resp.finish_reason = chunk.finish_reason
+                resp.usage.CopyFrom(chunk.usage)
+                resp.timings.CopyFrom(chunk.timings)
+                if chunk.HasField("stop_reason"):
+                    resp.stop_reason = chunk.stop_reason
+        return resp
+
+    async def Tokenize(self, request: generation_pb2.TokenizeRequest, context):
+        try:
+            check_model(request.model, {self.served_model})
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
+        return generation_pb2.TokenizeResponse(token_ids=ids, max_model_len=self.cfg.max_model_len)
+
+    async def ListModels(self, request, context):
+        return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
+            name=self.served_model, max_model_len=self.cfg.max_model_len,
+            prefill_workers=len(self.registry.alive("prefill")),
+            decode_workers=len(self.registry.alive("decode")) + len(
+                self.registry.alive("colocated")))])
+
+    # -- the request ----------------------------------------------------------------------------
+    async def _guarded(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """Status codes for everything that can go wrong before or during the stream."""
+        try:
+            async for chunk in self._generate(request, context):
+                yield chunk
+        except InvalidArgument as e:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
+        except (Rejected, WorkerFailed) as e:
+            await context.abort(e.code, str(e))
+
+    def prepare(self, request: generation_pb2.GenerateRequest
+                ) -> tuple[list[int], common_pb2.SamplingParams, tuple[str, ...]]:
+        """Validate and tokenise; shared with the HTTP front. Raises InvalidArgument."""
+        check_model(request.model, {self.served_model})
+        validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
+                        max_model_len=self.cfg.max_model_len)
+        ids = (list(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids"
+               else self.tokenizer.encode(request.text))
+        v = validate_sampling(request.sampling, prompt_len=len(ids),
+                              max_model_len=self.cfg.max_model_len)
+        sp = common_pb2.SamplingParams(
+            temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, max_tokens=v.max_tokens,
+            min_tokens=v.min_tokens, stop_token_ids=v.stop_token_ids, ignore_eos=v.ignore_eos)
+        if v.seed is not None:
+            sp.seed = v.seed
+        if v.logprobs is not None:
+            sp.logprobs = v.logprobs
+        return ids, sp, tuple(v.stop)
+
+    def route(self, prompt_len: int, local: bool) -> tuple[Worker | None, Worker]:
+        prefill = self.registry.alive("prefill", self.served_model)
+        decode = self.registry.alive("decode", self.served_model)
+        colocated = self.registry.alive("colocated", self.served_model)
+        if prefill and decode and not local and prompt_len >= self.cfg.local_prefill_threshold:
+            return choose_prefill(prefill, []), choose_decode(decode, self.rng)
+        if decode or colocated:
+            return None, choose_decode(decode + colocated, self.rng)
+        raise Rejected(grpc.StatusCode.UNAVAILABLE,
+                       f"no live worker can serve {self.served_model!r}: {len(prefill)} prefill, "
+                       f"{len(decode)} decode, {len(colocated)} colocated")
+
+    async def _generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        t0 = time.perf_counter()
+        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        ids, sp, stops = self.prepare(request)
+        await self.admission.acquire()
+        try:
+            queue_s = time.perf_counter() - t0
+            prefill, decode = self.route(len(ids), request.local_prefill)
+            timings = FlowTimings()
+            detok = None if request.skip_detokenize else IncrementalDetokenizer(
+                self.tokenizer, skip_special_tokens=not request.HasField("skip_special_tokens")
+                or request.skip_special_tokens)
+            stop = StopMatcher(stops)
+            n_out, finish, stop_reason = 0, None, None
+            flow = run_flow(rid, ids, sp, prefill, decode, context.time_remaining(), timings)
+            try:
+                async for ev in flow:
+                    n_out += len(ev.token_ids)
+                    text = ""
+                    if detok is not None:
+                        text, stop_reason = stop.feed(detok.push(ev.token_ids))
+                    chunk = generation_pb2.GenerateResponse(request_id=rid, token_ids=ev.token_ids,
+                                                            text=text)
+                    chunk.logprobs.extend(generation_pb2.TokenLogprob(token_id=t, logprob=lp)
+                                          for t, lp in zip(ev.token_ids, ev.logprobs))
+                    finish = ev.finish_reason
+                    if stop_reason is not None:
+                        finish = common_pb2.FINISH_REASON_STOP
+                    if finish is not None:
+                        if detok is not None and stop_reason is None:
+                            chunk.text += stop.feed(detok.flush())[0] + stop.flush()
+                        self._finish(chunk, finish, stop_reason, len(ids), n_out, queue_s,
+                                     timings, t0)
+                    yield chunk
+                    if finish is not None:
+                        break
+            finally:
+                await flow.aclose()  # cancels the decode RPC when we stopped early
+        finally:
+            self.admission.release()
+
+    @staticmethod
+    def _finish(chunk, finish: int, stop_reason: str | None, n_prompt: int, n_out: int,
+                queue_s: float, t: FlowTimings, t0: float) -> None:
+        chunk.finish_reason = finish
+        if stop_reason is not None:
+            chunk.stop_reason = stop_reason
+        chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=n_prompt, completion_tokens=n_out))
+        now = time.perf_counter()
+        chunk.timings.CopyFrom(common_pb2.Timings(
+            queue_s=queue_s, prefill_s=t.prefill_s, transfer_s=t.transfer_s, decode_s=t.decode_s,
+            ttft_s=(t.first_token_at or now) - t0, e2e_s=now - t0))

@@ -1,0 +1,150 @@
+"""The router's view of its workers: who is alive, in which role, how loaded.
+
+Lifecycle of a worker here: Register → (Heartbeat with load)* → dropped when heartbeats stop for
+`heartbeat_timeout_s` (or on Deregister) → a later heartbeat is answered `known=False`, so the
+worker registers again and is taken back. Static workers (given by address at start-up) are
+polled with Stats instead and dropped/taken back by the same rule.
+
+Each worker gets one long-lived gRPC channel; `inflight` counts the router's own requests on it,
+which is fresher than the worker's last heartbeat when a burst arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass, field
+
+import grpc
+
+from splitserve.v1 import (common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2,
+                           worker_pb2_grpc)
+
+log = logging.getLogger(__name__)
+
+ROLE_NAMES = {registry_pb2.ROLE_PREFILL: "prefill", registry_pb2.ROLE_DECODE: "decode",
+              registry_pb2.ROLE_COLOCATED: "colocated"}
+
+
+@dataclass(slots=True)
+class Worker:
+    worker_id: str
+    role: str
+    address: str
+    model: str
+    capacity: registry_pb2.WorkerCapacity
+    channel: grpc.aio.Channel
+    stub: object  # PrefillWorkerStub or DecodeWorkerStub
+    last_seen: float
+    load: common_pb2.WorkerLoad = field(default_factory=common_pb2.WorkerLoad)
+    inflight: int = 0
+    static: bool = False
+
+
+class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
+    def __init__(self, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 3.0):
+        self.heartbeat_interval_s = heartbeat_interval_s
+        self.heartbeat_timeout_s = heartbeat_timeout_s
+        self._workers: dict[str, Worker] = {}
+        self._static: list[tuple[str, str]] = []
+        self.changed = asyncio.Event()  # set whenever membership changes (tests, `up`)
+
+    # -- queries ---------------------------------------------------------------------------
+    def alive(self, role: str, model: str | None = None) -> list[Worker]:
+        cutoff = time.monotonic() - self.heartbeat_timeout_s
+        return [w for w in self._workers.values()
+                if w.role == role and w.last_seen >= cutoff and (model is None or w.model == model)]
+
+    def models(self) -> set[str]:
+        return {w.model for w in self._workers.values()}
+
+    # -- Registry service --------------------------------------------------------------------
+    async def Register(self, request: registry_pb2.RegisterRequest, context):
+        if request.role not in ROLE_NAMES or not request.grpc_address or not request.worker_id:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                "worker_id, a known role and grpc_address are required")
+        self._add(request.worker_id, ROLE_NAMES[request.role], request.grpc_address,
+                  request.model, request.capacity)
+        return registry_pb2.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
+
+    async def Heartbeat(self, request: registry_pb2.HeartbeatRequest, context):
+        w = self._workers.get(request.worker_id)
+        if w is None:
+            return registry_pb2.HeartbeatResponse(known=False,
+                                                  heartbeat_interval_s=self.heartbeat_interval_s)
+        w.last_seen = time.monotonic()
+        w.load.CopyFrom(request.load)
+        return registry_pb2.HeartbeatResponse(known=True,
+                                              heartbeat_interval_s=self.heartbeat_interval_s)
+
+    async def Deregister(self, request: registry_pb2.DeregisterRequest, context):
+        return registry_pb2.DeregisterResponse(known=await self._remove(request.worker_id))
+
+    # -- membership --------------------------------------------------------------------------
+    def _add(self, worker_id: str, role: str, address: str, model: str,
+             capacity: registry_pb2.WorkerCapacity, static: bool = False) -> Worker:
+        old = self._workers.get(worker_id)
+        if old is not None and old.address == address:
+            old.last_seen = time.monotonic()
+            return old
+        if old is not None:
+            asyncio.ensure_future(old.channel.close())
+        channel = grpc.aio.insecure_channel(address)
+        stub = (worker_pb2_grpc.PrefillWorkerStub(channel) if role == "prefill"
+                else worker_pb2_grpc.DecodeWorkerStub(channel))
+        w = Worker(worker_id, role, address, model, capacity, channel, stub, time.monotonic(),
+                   static=static)
+        self._workers[worker_id] = w
+        log.info("worker %s (%s) at %s joined", worker_id, role, address)
+        self.changed.set()
+        return w
+
+    async def _remove(self, worker_id: str) -> bool:
+        w = self._workers.pop(worker_id, None)
+        if w is None:
+            return False
+        log.info("worker %s (%s) at %s left", worker_id, w.role, w.address)
+        await w.channel.close()
+        self.changed.set()
+        return True
+
+    def add_static(self, role: str, address: str) -> None:
+        """A worker known by address only (no registration): polled with Stats."""
+        self._static.append((role, address))
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Poll static workers and drop silent ones, once per heartbeat interval."""
+        while not stop.is_set():
+            await asyncio.gather(*(self._poll_static(r, a) for r, a in self._static))
+            cutoff = time.monotonic() - self.heartbeat_timeout_s
+            for w in [w for w in self._workers.values() if w.last_seen < cutoff]:
+                log.warning("worker %s at %s missed heartbeats for %.1f s: dropped",
+                            w.worker_id, w.address, self.heartbeat_timeout_s)
+                await self._remove(w.worker_id)
+            try:
+                await asyncio.wait_for(stop.wait(), self.heartbeat_interval_s)
+            except asyncio.TimeoutError:
+                pass
+        for wid in list(self._workers):
+            await self._remove(wid)
+
+    async def _poll_static(self, role: str, address: str) -> None:
+        wid = f"static-{role}-{address}"
+        w = self._workers.get(wid)
+        try:
+            if w is None:
+                async with grpc.aio.insecure_channel(address) as ch:
+                    stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill"
+                            else worker_pb2_grpc.DecodeWorkerStub(ch))
+                    stats = await stub.Stats(worker_pb2.StatsRequest(),
+                                             timeout=self.heartbeat_interval_s)
+                w = self._add(wid, role, address, stats.model, registry_pb2.WorkerCapacity(),
+                              static=True)
+            else:
+                stats = await w.stub.Stats(worker_pb2.StatsRequest(),
+                                           timeout=self.heartbeat_interval_s)
+            w.last_seen = time.monotonic()
+            w.load.CopyFrom(stats.load)
+        except grpc.aio.AioRpcError:
+            pass  # silent: the staleness rule drops it

@@ -1,0 +1,249 @@
+"""Text handling in the router: tokenise prompts, stream-detokenise outputs, match stop strings.
+
+Lifecycle: the router builds one `RouterTokenizer` per served model at start-up (it reads only the
+model directory's JSON files, never weights). For each request it encodes the prompt once, then
+creates one `IncrementalDetokenizer` and one `StopMatcher`. Every token batch streamed back by a
+decode worker goes `ids -> IncrementalDetokenizer.push -> StopMatcher.feed -> client`; when the
+worker finishes, `IncrementalDetokenizer.flush` then `StopMatcher.feed`/`flush` drain what was held
+back. Workers only ever see token ids: stop strings are the router's job.
+
+Only stdlib and `tokenizers` here: the router must not import torch or vllm.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Any, Protocol
+
+from tokenizers import Tokenizer
+
+_REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete byte sequence
+
+# Prompt tokens kept as left context for the first generated tokens (vLLM uses the same number):
+# decoders such as SentencePiece's strip the leading space of the first token they see.
+_CONTEXT_TOKENS = 5
+
+
+def _read_json(path: Path) -> dict[str, Any]:
+    if not path.is_file():
+        return {}
+    data = json.loads(path.read_text(encoding="utf-8"))
+    return data if isinstance(data, dict) else {}
+
+
+def _token_str(value: Any) -> str | None:
+    # tokenizer_config.json stores special tokens either as a plain string or as a serialised
+    # AddedToken ({"content": ..., "lstrip": ...}).
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    return None
+
+
+def _as_ids(value: Any) -> list[int]:
+    # config.json / generation_config.json: eos_token_id is an int, a list of ints, or absent.
+    if isinstance(value, bool):
+        return []
+    if isinstance(value, int):
+        return [value]
+    if isinstance(value, list):
+        return [v for v in value if isinstance(v, int) and not isinstance(v, bool)]
+    return []
+
+
+def _chat_template(model_dir: Path, config: dict[str, Any]) -> str | None:
+    # Newer Hugging Face checkpoints keep the template in its own file; older ones inline it in
+    # tokenizer_config.json, either as a string or as a list of named templates.
+    jinja = model_dir / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    tmpl = config.get("chat_template")
+    if isinstance(tmpl, str):
+        return tmpl
+    if isinstance(tmpl, list):
+        named = {t.get("name"): t.get("template") for t in tmpl if isinstance(t, dict)}
+        chosen = named.get("default") or next(iter(named.values()), None)
+        return chosen if isinstance(chosen, str) else None
+    return None
+
+
+class RouterTokenizer:
+    """A Hugging Face tokenizer loaded with plain `tokenizers` (no transformers, no torch)."""
+
+    def __init__(self, model_dir: str | Path) -> None:
+        model_dir = Path(model_dir)
+        tok_file = model_dir / "tokenizer.json"
+        if not tok_file.is_file():
+            raise FileNotFoundError(f"no tokenizer.json in {model_dir}")
+        self._tok = Tokenizer.from_file(str(tok_file))
+        tok_config = _read_json(model_dir / "tokenizer_config.json")
+        self._bos_token = _token_str(tok_config.get("bos_token"))
+        self._eos_token = _token_str(tok_config.get("eos_token"))
+        self._chat_template = _chat_template(model_dir, tok_config)
+        self._special_ids = frozenset(
+            i for i, t in self._tok.get_added_tokens_decoder().items() if t.special
+        )
+        # EOS can be declared in three places and models disagree on which; vLLM stops on the
+        # union (generation_config's list often adds e.g. an end-of-turn token).
+        eos: set[int] = set()
+        for name in ("config.json", "generation_config.json"):
+            eos.update(_as_ids(_read_json(model_dir / name).get("eos_token_id")))
+        if self._eos_token is not None:
+            eos_id = self._tok.token_to_id(self._eos_token)
+            if eos_id is not None:
+                eos.add(eos_id)
+        self._eos_ids = frozenset(eos)
+
+    def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; the post-processor adds BOS etc. as the engine would."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str:
+        return self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self._eos_ids
+
+    @property
+    def vocab_size(self) -> int:
+        """Number of ids the tokenizer knows, added tokens included."""
+        return self._tok.get_vocab_size(with_added_tokens=True)
+
+    @property
+    def chat_template(self) -> str | None:
+        return self._chat_template
+
+    @property
+    def bos_token(self) -> str | None:
+        return self._bos_token
+
+    @property
+    def eos_token(self) -> str | None:
+        return self._eos_token
+
+    @property
+    def special_ids(self) -> frozenset[int]:
+        return self._special_ids
+
+
+class _Decoder(Protocol):
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+
+
+class IncrementalDetokenizer:
+    """Streams text for generated token ids without splitting a UTF-8 character.
+
+    prefix_offset/read_offset technique: `_ids[prefix:read]` were already turned into text, and
+    decoding them again next to the new tokens gives a stable left context (byte-level BPE and
+    SentencePiece decoders depend on neighbouring tokens). The new text is what the window decodes
+    to beyond that context, emitted only once it does not end in U+FFFD, i.e. once the last
+    character's bytes are complete. Only the window is kept and decoded, so each token costs
+    O(window), not O(tokens so far).
+
+    Without `prompt_ids` the concatenated deltas plus `flush()` equal `decode(all ids)`. With
+    them, the last few prompt tokens serve as left context (a leading space survives decoders
+    that strip it at the start of text) and are never emitted themselves.
+    """
+
+    def __init__(
+        self,
+        tokenizer: _Decoder,
+        *,
+        skip_special_tokens: bool = True,
+        prompt_ids: Sequence[int] = (),
+    ) -> None:
+        self._tok = tokenizer
+        self._skip = skip_special_tokens
+        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:]) if prompt_ids else []
+        self._prefix = 0
+        self._read = len(self._ids)
+        self.num_tokens = 0  # generated tokens pushed so far
+
+    def push(self, ids: Iterable[int]) -> str:
+        """Add generated token ids; return the text that became final with them."""
+        out: list[str] = []
+        # One step per token: a chunk ending inside a character still emits the complete text
+        # before it, and the offsets always land on token boundaries.
+        for i in ids:
+            self._ids.append(int(i))
+            self.num_tokens += 1
+            out.append(self._step(final=False))
+        return "".join(out)
+
+    def flush(self) -> str:
+        """Text still held back at the end of generation (e.g. a truly invalid byte sequence)."""
+        return self._step(final=True)
+
+    def _step(self, *, final: bool) -> str:
+        prefix_text = self._tok.decode(
+            self._ids[self._prefix : self._read], skip_special_tokens=self._skip
+        )
+        new_text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
+        if len(new_text) <= len(prefix_text):
+            # Nothing visible yet (a skipped special token, or bytes of an unfinished character).
+            return ""
+        if new_text.endswith(_REPLACEMENT) and not final:
+            # Possibly an incomplete multi-byte character: a later token may complete it.
+            return ""
+        delta = new_text[len(prefix_text) :]
+        # The tokens just emitted become the next window's left context; older ones are dropped.
+        del self._ids[: self._read]
+        self._prefix = 0
+        self._read = len(self._ids)
+        return delta
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text and cuts the output before the first one.
+
+    Text that could still turn out to be the start of a stop string (the longest suffix that is a
+    proper prefix of some stop string, so at most `max(len(stop)) - 1` characters) is held back
+    until the next delta resolves it. When several stop strings occur, the one whose last
+    character comes first wins (ties: the one starting first), which is exactly what token-by-token
+    streaming sees, so the result does not depend on how the text was chunked.
+    """
+
+    def __init__(self, stop: Iterable[str] = ()) -> None:
+        self._stops = tuple(dict.fromkeys(s for s in stop if s))
+        # Every proper prefix of every stop string: the candidates for holding text back.
+        self._prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
+        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._held = ""
+        self.matched: str | None = None
+
+    def feed(self, delta: str) -> tuple[str, str | None]:
+        """Return (text safe to emit now, matched stop string or None)."""
+        if self.matched is not None:
+            return "", self.matched
+        if not self._stops:
+            return delta, None
+        buf = self._held + delta
+        best: tuple[int, int, str] | None = None  # (end, start, stop)
+        for s in self._stops:
+            start = buf.find(s)
+            if start >= 0:
+                cand = (start + len(s), start, s)
+                if best is None or cand[:2] < best[:2]:
+                    best = cand
+        if best is not None:
+            self._held = ""
+            self.matched = best[2]
+            return buf[: best[1]], self.matched
+        hold = self._hold_len(buf)
+        self._held = buf[len(buf) - hold :] if hold else ""
+        return buf[: len(buf) - hold], None
+
+    def flush(self) -> str:
+        """Held-back text, released at the end of generation (empty after a match)."""
+        held, self._held = self._held, ""
+        return "" if self.matched is not None else held
+
+    def _hold_len(self, buf: str) -> int:
+        for n in range(min(self._max_hold, len(buf)), 0, -1):
+            if buf[-n:] in self._prefixes:
+                return n
+        return 0

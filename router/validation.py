@@ -1,0 +1,184 @@
+"""Request validation at the router's front door.
+
+Lifecycle: for every Generate/Complete call the servicer first runs `check_model`, then
+`validate_prompt` (before and, for text, after tokenising: the length check needs the token
+count), then `validate_sampling` with the prompt length. Any `InvalidArgument` becomes a gRPC
+INVALID_ARGUMENT (HTTP 400) carrying `str(err)`, e.g. "sampling.temperature: must be in [0, 2],
+got 3.0"; nothing reaches a worker. The returned `ValidSampling` has every default filled in, so
+code downstream never checks proto field presence again.
+
+Field names in errors are proto paths ("sampling.top_p", "token_ids", ...) so clients can map
+them back to what they sent. Only stdlib and generated protobuf modules: no torch, no vllm.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Collection
+from dataclasses import dataclass
+
+from splitserve.v1 import common_pb2, generation_pb2
+
+MAX_LOGPROBS = 20  # what the OpenAI API allows; the engines are configured to match
+
+
+class InvalidArgument(ValueError):
+    """A client error in one request field; maps to gRPC INVALID_ARGUMENT / HTTP 400."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(f"{field}: {message}")
+        self.field = field
+        self.message = message
+
+
+@dataclass(frozen=True)
+class ValidSampling:
+    """Sampling parameters after validation, with server defaults applied."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1  # -1: disabled
+    max_tokens: int = 16
+    min_tokens: int = 0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None
+
+
+def _number(field: str, value: float) -> float:
+    # NaN slips through every range comparison, so reject it explicitly.
+    if math.isnan(value):
+        raise InvalidArgument(field, "must be a number, got nan")
+    # Proto floats are float32: 0.7 arrives as 0.699999988... Seven significant digits give back
+    # the value the client wrote, for the engine and for error messages alike.
+    return float(f"{value:.7g}")
+
+
+def validate_sampling(
+    sp: common_pb2.SamplingParams,
+    *,
+    prompt_len: int,
+    max_model_len: int,
+    default_max_tokens: int = 16,
+) -> ValidSampling:
+    """Check `sp` against the rules below and fill in defaults; raise InvalidArgument."""
+    temperature = 1.0
+    if sp.HasField("temperature"):
+        temperature = _number("sampling.temperature", sp.temperature)
+        if not 0.0 <= temperature <= 2.0:
+            raise InvalidArgument("sampling.temperature", f"must be in [0, 2], got {temperature}")
+
+    top_p = 1.0
+    if sp.HasField("top_p"):
+        top_p = _number("sampling.top_p", sp.top_p)
+        if not 0.0 < top_p <= 1.0:
+            raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
+
+    top_k = -1
+    if sp.HasField("top_k"):
+        if sp.top_k < -1:
+            raise InvalidArgument("sampling.top_k", f"must be >= -1, got {sp.top_k}")
+        top_k = -1 if sp.top_k == 0 else sp.top_k  # 0 and -1 both mean "disabled"
+
+    room = max_model_len - prompt_len
+    if sp.HasField("max_tokens"):
+        max_tokens = sp.max_tokens
+        if max_tokens < 1:
+            raise InvalidArgument("sampling.max_tokens", f"must be >= 1, got {max_tokens}")
+        if prompt_len + max_tokens > max_model_len:
+            raise InvalidArgument(
+                "sampling.max_tokens",
+                f"prompt length {prompt_len} + max_tokens {max_tokens} exceeds the model's "
+                f"context length {max_model_len}",
+            )
+    else:
+        # Unset means "server default", which must not itself fail the request: cap it to the
+        # context left after the prompt (validate_prompt guarantees at least one token of room).
+        max_tokens = max(1, min(default_max_tokens, room))
+
+    min_tokens = sp.min_tokens
+    if min_tokens < 0:
+        raise InvalidArgument("sampling.min_tokens", f"must be >= 0, got {min_tokens}")
+    if min_tokens > max_tokens:
+        raise InvalidArgument(
+            "sampling.min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}"
+        )
+
+    for i, s in enumerate(sp.stop):
+        if not s:
+            raise InvalidArgument("sampling.stop", f"stop string {i} is empty")
+    for t in sp.stop_token_ids:
+        if t < 0:
+            raise InvalidArgument("sampling.stop_token_ids", f"must be >= 0, got {t}")
+
+    logprobs: int | None = None
+    if sp.HasField("logprobs"):
+        logprobs = sp.logprobs
+        if not 0 <= logprobs <= MAX_LOGPROBS:
+            raise InvalidArgument(
+                "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}"
+            )
+
+    return ValidSampling(
+        temperature=temperature,
+        top_p=top_p,
+        top_k=top_k,
+        max_tokens=max_tokens,
+        min_tokens=min_tokens,
+        seed=sp.seed if sp.HasField("seed") else None,
+        stop=tuple(sp.stop),
+        stop_token_ids=tuple(sp.stop_token_ids),
+        ignore_eos=sp.ignore_eos,
+        logprobs=logprobs,
+    )
+
+
+def validate_prompt(
+    req: generation_pb2.GenerateRequest,
+    *,
+    vocab_size: int,
+    max_model_len: int,
+    prompt_len: int | None = None,
+) -> None:
+    """Check the request's prompt; raise InvalidArgument.
+
+    Token-id prompts are checked fully. A text prompt's length is only known after tokenising:
+    pass `prompt_len` (its token count) to have that checked too.
+    """
+    kind = req.WhichOneof("prompt")
+    if kind is None:
+        raise InvalidArgument("prompt", "a prompt must be given (text or token_ids)")
+    if kind == "text":
+        if not req.text:
+            raise InvalidArgument("text", "must not be empty")
+        if prompt_len is not None:
+            _check_len("text", prompt_len, max_model_len)
+        return
+    ids = req.token_ids.ids
+    if not ids:
+        raise InvalidArgument("token_ids", "must not be empty")
+    for pos, t in enumerate(ids):
+        if not 0 <= t < vocab_size:
+            raise InvalidArgument(
+                "token_ids", f"id {t} at position {pos} is outside the vocabulary [0, {vocab_size})"
+            )
+    _check_len("token_ids", len(ids), max_model_len)
+
+
+def _check_len(field: str, n: int, max_model_len: int) -> None:
+    # Strictly less: at least one generated token must fit in the context window.
+    if n >= max_model_len:
+        raise InvalidArgument(
+            field,
+            f"prompt has {n} tokens; it must be shorter than the model's context length "
+            f"{max_model_len}",
+        )
+
+
+def check_model(requested: str, served: Collection[str]) -> None:
+    """An empty name selects the default model; any other must be one the router serves."""
+    if requested and requested not in served:
+        names = ", ".join(sorted(served)) or "(none)"
+        raise InvalidArgument("model", f"model {requested!r} is not served; served: {names}")

@@ -1,0 +1,118 @@
+"""Run one worker process: gRPC server, engine, registration, graceful drain.
+
+Order matters for operators: the gRPC port (with health NOT_SERVING) is up before the engine
+starts loading, so probes and the router see a live-but-not-ready worker instead of a refused
+connection; the worker registers only once it can serve; SIGTERM drains before it exits.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from splitserve.engine import build_engine
+from splitserve.worker.core import Phase, WorkerConfig, WorkerCore
+from splitserve.worker.registration import heartbeat_loop
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+def _servicers(core: WorkerCore, server: grpc.aio.Server) -> list[str]:
+    if core.cfg.role == "prefill":
+        from prefill_worker.servicer import PrefillServicer
+
+        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(core), server)
+        return [worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
+    from decode_worker.servicer import DecodeServicer
+
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(core), server)
+    return [worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
+
+
+async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
+    served = cfg.model_name or Path(cfg.engine.model).name
+    engine_cfg = cfg.engine
+    if engine_cfg.engine_id is None:
+        from dataclasses import replace
+
+        engine_cfg = replace(engine_cfg, engine_id=f"{cfg.role}-{uuid.uuid4().hex[:8]}")
+        cfg = replace(cfg, engine=engine_cfg)
+    core = WorkerCore(cfg, served)
+    server = grpc.aio.server()
+    names = _servicers(core, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME,
+                                         reflection.SERVICE_NAME], server)
+    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    address = f"{cfg.advertise_host or cfg.host}:{port}"
+    await _set_health(health_servicer, names, serving=False)
+    await server.start()
+    _progress(f"{cfg.role} worker {engine_cfg.engine_id}: gRPC on {address}, loading the engine")
+
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+
+    t0 = time.monotonic()
+    # Building the engine blocks for seconds (it waits for the engine-core process); keep the
+    # event loop free so health checks are answered meanwhile.
+    load = asyncio.ensure_future(asyncio.to_thread(build_engine, engine_cfg, core.monitor))
+    await asyncio.wait([load, asyncio.ensure_future(stop.wait())],
+                       return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():  # asked to stop while loading
+        engine = await load
+        engine.shutdown()
+        await server.stop(0)
+        return
+    core.engine = engine = load.result()
+    core.total_kv_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
+    core.phase = Phase.SERVING
+    await _set_health(health_servicer, names, serving=True)
+    _progress(f"{cfg.role} worker {engine_cfg.engine_id}: ready in {time.monotonic() - t0:.1f} s "
+              f"({core.total_kv_blocks} KV blocks)")
+    if ready_file:
+        Path(ready_file).write_text(address)
+
+    beats = None
+    if cfg.router:
+        worker_id = cfg.worker_id or engine_cfg.engine_id
+        beats = asyncio.ensure_future(heartbeat_loop(core, cfg.router, worker_id, address, stop))
+    await stop.wait()
+
+    # Drain: stop taking work, let what is running finish (bounded), then go.
+    core.phase = Phase.DRAINING
+    await _set_health(health_servicer, names, serving=False)
+    _progress(f"{cfg.role} worker {engine_cfg.engine_id}: draining {core.inflight} request(s)")
+    if beats is not None:
+        await beats
+    deadline = time.monotonic() + cfg.drain_timeout_s
+    while core.inflight and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    await server.stop(grace=1.0)
+    engine.shutdown()
+    _progress(f"{cfg.role} worker {engine_cfg.engine_id}: stopped")
+
+
+async def _set_health(h: health.aio.HealthServicer, names: list[str], serving: bool) -> None:
+    status = (health_pb2.HealthCheckResponse.SERVING if serving
+              else health_pb2.HealthCheckResponse.NOT_SERVING)
+    for name in ["", *names]:
+        await h.set(name, status)
+
+
+def _progress(msg: str) -> None:
+    """One line per lifecycle step on stderr: what `splitserve up` shows while engines load."""
+    print(f"[splitserve] {msg}", file=sys.stderr, flush=True)
+    log.info(msg)

@@ -1,0 +1,160 @@
+"""Request validation: each rule rejects exactly its field, defaults are filled in."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.validation import (
+    InvalidArgument,
+    ValidSampling,
+    check_model,
+    validate_prompt,
+    validate_sampling,
+)
+from splitserve.v1 import common_pb2, generation_pb2
+
+VOCAB, CTX = 4096, 4096
+
+
+def sampling(prompt_len: int = 10, max_model_len: int = CTX, **fields) -> ValidSampling:
+    return validate_sampling(
+        common_pb2.SamplingParams(**fields), prompt_len=prompt_len, max_model_len=max_model_len
+    )
+
+
+def rejects(field: str, fn, *args, **kwargs) -> InvalidArgument:
+    with pytest.raises(InvalidArgument) as info:
+        fn(*args, **kwargs)
+    err = info.value
+    assert err.field == field
+    assert str(err) == f"{field}: {err.message}"
+    assert str(err).startswith(field + ": ")
+    return err
+
+
+def test_error_format() -> None:
+    err = InvalidArgument("sampling.temperature", "must be in [0, 2], got 3.0")
+    assert isinstance(err, ValueError)
+    assert str(err) == "sampling.temperature: must be in [0, 2], got 3.0"
+
+
+def test_defaults() -> None:
+    assert sampling() == ValidSampling(
+        temperature=1.0,
+        top_p=1.0,
+        top_k=-1,
+        max_tokens=16,
+        min_tokens=0,
+        seed=None,
+        stop=(),
+        stop_token_ids=(),
+        ignore_eos=False,
+        logprobs=None,
+    )
+
+
+def test_all_fields_pass_through() -> None:
+    v = sampling(
+        temperature=0.0,
+        top_p=0.5,
+        top_k=40,
+        max_tokens=100,
+        min_tokens=5,
+        seed=0,
+        stop=["\n\n", "END"],
+        stop_token_ids=[7, 9],
+        ignore_eos=True,
+        logprobs=0,
+    )
+    assert v == ValidSampling(0.0, 0.5, 40, 100, 5, 0, ("\n\n", "END"), (7, 9), True, 0)
+
+
+def test_float32_values_come_back_as_written() -> None:
+    assert sampling(temperature=0.7, top_p=0.9).temperature == 0.7
+    assert sampling(top_p=0.9).top_p == 0.9
+
+
+def test_unset_max_tokens_is_capped_to_context() -> None:
+    assert sampling(prompt_len=4090, max_model_len=4096).max_tokens == 6
+    assert sampling(prompt_len=4095, max_model_len=4096).max_tokens == 1
+
+
+@pytest.mark.parametrize("top_k", [0, -1])
+def test_top_k_disabled(top_k: int) -> None:
+    assert sampling(top_k=top_k).top_k == -1
+
+
+@pytest.mark.parametrize(
+    ("field", "fields", "needle"),
+    [
+        ("sampling.temperature", {"temperature": 3.0}, "must be in [0, 2], got 3.0"),
+        ("sampling.temperature", {"temperature": -0.1}, "got -0.1"),
+        ("sampling.temperature", {"temperature": float("nan")}, "nan"),
+        ("sampling.top_p", {"top_p": 0.0}, "(0, 1]"),
+        ("sampling.top_p", {"top_p": 1.5}, "(0, 1]"),
+        ("sampling.top_p", {"top_p": float("nan")}, "nan"),
+        ("sampling.top_k", {"top_k": -2}, ">= -1"),
+        ("sampling.max_tokens", {"max_tokens": 0}, ">= 1"),
+        ("sampling.min_tokens", {"min_tokens": -1}, ">= 0"),
+        ("sampling.min_tokens", {"max_tokens": 5, "min_tokens": 6}, "max_tokens (5)"),
+        ("sampling.min_tokens", {"min_tokens": 17}, "max_tokens (16)"),  # default max_tokens
+        ("sampling.stop", {"stop": ["ok", ""]}, "empty"),
+        ("sampling.stop_token_ids", {"stop_token_ids": [3, -1]}, "-1"),
+        ("sampling.logprobs", {"logprobs": 21}, "[0, 20]"),
+        ("sampling.logprobs", {"logprobs": -1}, "[0, 20]"),
+    ],
+)
+def test_sampling_rules(field: str, fields: dict, needle: str) -> None:
+    err = rejects(field, sampling, **fields)
+    assert needle in err.message
+
+
+def test_prompt_plus_max_tokens_must_fit() -> None:
+    assert sampling(prompt_len=96, max_model_len=128, max_tokens=32).max_tokens == 32
+    err = rejects("sampling.max_tokens", sampling, prompt_len=100, max_model_len=128, max_tokens=29)
+    assert "100" in err.message and "29" in err.message and "128" in err.message
+
+
+def test_logprobs_bounds_accepted() -> None:
+    assert sampling(logprobs=20).logprobs == 20
+    assert sampling(logprobs=0).logprobs == 0
+
+
+def prompt(**fields) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(**fields)
+
+
+def check_prompt(req: generation_pb2.GenerateRequest, **kw) -> None:
+    validate_prompt(req, vocab_size=VOCAB, max_model_len=kw.pop("max_model_len", CTX), **kw)
+
+
+def test_valid_prompts() -> None:
+    check_prompt(prompt(text="hi"))
+    check_prompt(prompt(text="hi"), prompt_len=CTX - 1)
+    check_prompt(prompt(token_ids=generation_pb2.TokenIds(ids=[0, VOCAB - 1])))
+    check_prompt(prompt(token_ids=generation_pb2.TokenIds(ids=[5] * 7)), max_model_len=8)
+
+
+def test_prompt_rules() -> None:
+    rejects("prompt", check_prompt, prompt())
+    rejects("text", check_prompt, prompt(text=""))
+    rejects("token_ids", check_prompt, prompt(token_ids=generation_pb2.TokenIds(ids=[])))
+    out_of_vocab = prompt(token_ids=generation_pb2.TokenIds(ids=[1, VOCAB]))
+    err = rejects("token_ids", check_prompt, out_of_vocab)
+    assert "4096" in err.message and "position 1" in err.message
+    rejects("token_ids", check_prompt, prompt(token_ids=generation_pb2.TokenIds(ids=[-1])))
+    err = rejects(
+        "token_ids",
+        check_prompt,
+        prompt(token_ids=generation_pb2.TokenIds(ids=[5] * 8)),
+        max_model_len=8,
+    )
+    assert "8 tokens" in err.message
+    rejects("text", check_prompt, prompt(text="long"), prompt_len=CTX)
+
+
+def test_check_model() -> None:
+    check_model("", {"tiny"})
+    check_model("tiny", {"tiny", "bench"})
+    err = rejects("model", check_model, "gpt-9", {"tiny", "bench"})
+    assert "gpt-9" in err.message and "bench, tiny" in err.message
