@@ -46,8 +46,13 @@ from typing import Any
 import torch
 
 from splitserve.kv.consumer import Consumer, LoadResult, PullJob
-from splitserve.kv.pair_channel import (CONSUMER_RANK, PRODUCER_RANK, PairChannel, connect_store,
-                                        host_store)
+from splitserve.kv.pair_channel import (
+    CONSUMER_RANK,
+    PRODUCER_RANK,
+    PairChannel,
+    connect_store,
+    host_store,
+)
 from splitserve.kv.producer import Producer
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
@@ -257,7 +262,7 @@ def run(sizes_mb: list[int], repeats: int) -> list[dict[str, float]]:
         pair = stack.enter_context(pair_channel(sizes, repeats))
         tcp = stack.enter_context(tcp_loopback(sizes, repeats))
         pull = stack.enter_context(connector(sizes, repeats))
-        for mb, n in zip(sizes_mb, sizes):
+        for mb, n in zip(sizes_mb, sizes, strict=True):
             row = {"size_mb": mb, "pair_channel_gbps": pair(n), "tcp_loopback_gbps": tcp(n),
                    "memcpy_gbps": memcpy(n, repeats), "connector_gbps": pull(n)}
             rows.append({**row, "pair_vs_tcp": row["pair_channel_gbps"] / row["tcp_loopback_gbps"]})

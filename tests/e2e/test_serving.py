@@ -1,0 +1,200 @@
+"""End to end over gRPC: real router and worker processes, real vLLM engines, CPU + gloo.
+
+One pool of engines serves every test in the module (engines cost ~15 s each to start):
+  P0 P1 prefill, D0 D1 decode — registered with router A (2P2D)
+  router B: static list P0 + D0 (1P1D, and the static-worker path)
+  router R: static colocated worker C (the colocated-vLLM reference)
+  router O: P0 + D0 with one slot and a one-deep queue (overload)
+After every test the workers are idle with every KV block free; at the end no process survives.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+from tokenizers import Tokenizer
+
+from splitserve.v1 import common_pb2, generation_pb2
+from tests.e2e.cluster import ProcCluster
+from tests.utils import GOLDEN_LENGTHS, make_prompts
+
+pytestmark = pytest.mark.slow
+STOP = common_pb2.FINISH_REASON_STOP
+
+
+@pytest.fixture(scope="module")
+def cl(tiny_model_dir: Path):
+    c = ProcCluster(tiny_model_dir)
+    try:
+        c.router("A", "--heartbeat-timeout-s", "3")
+        c.wait_ready(60)
+        a = c.procs[0].address
+        c.worker("P0", "prefill", 0, "--router", a)
+        c.worker("D0", "decode", 1, "--router", a)
+        c.worker("P1", "prefill", 0, "--router", a)
+        c.worker("D1", "decode", 1, "--router", a)
+        c.worker("C", "colocated", 0)
+        c.wait_ready()
+        w = {p.name: p.address for p in c.procs}
+        c.router("B", "--static-prefill", w["P0"], "--static-decode", w["D0"])
+        c.router("R", "--static-colocated", w["C"])
+        c.router("O", "--static-prefill", w["P0"], "--static-decode", w["D0"],
+                 "--max-concurrency", "1", "--max-queue", "1")
+        c.router("E")  # no workers at all
+        c.wait_ready()
+        c.by_name = {p.name: p for p in c.procs}
+        _wait_models(c, "A", prefill=2, decode=2)
+        for r in ("B", "O"):
+            _wait_models(c, r, prefill=1, decode=1)
+        _wait_models(c, "R", prefill=0, decode=1)
+        yield c
+    finally:
+        c.close()
+
+
+@pytest.fixture(autouse=True)
+def leak_check(cl: ProcCluster):
+    yield
+    cl.assert_workers_idle()
+
+
+def _wait_models(c: ProcCluster, router: str, prefill: int, decode: int) -> None:
+    stub = c.generation(c.by_name[router])
+    deadline = time.monotonic() + 30
+    while True:
+        (m,) = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=5).models
+        if (m.prefill_workers, m.decode_workers) == (prefill, decode):
+            return
+        assert time.monotonic() < deadline, f"router {router} sees {m}"
+        time.sleep(0.2)
+
+
+def _request(ids: list[int], max_tokens: int = 24, **sampling) -> generation_pb2.GenerateRequest:
+    sp = common_pb2.SamplingParams(**{"temperature": 0.0, "max_tokens": max_tokens, **sampling})
+    return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids), sampling=sp)
+
+
+def _stream(stub, req, timeout: float = 120.0) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
+    ids, text, last = [], "", None
+    for chunk in stub.Generate(req, timeout=timeout):
+        ids += chunk.token_ids
+        text += chunk.text
+        last = chunk
+    return ids, text, last
+
+
+def _golden(cl: ProcCluster, router: str, tiny_model_dir: Path, seed: int) -> None:
+    prompts = make_prompts(tiny_model_dir, GOLDEN_LENGTHS * 2, seed=seed)  # 32 requests
+    ref = cl.generation(cl.by_name["R"])
+    want = [_stream(ref, _request(p))[0] for p in prompts]
+    stub = cl.generation(cl.by_name[router])
+    with cf.ThreadPoolExecutor(32) as pool:
+        got = list(pool.map(lambda p: _stream(stub, _request(p)), prompts))
+    tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
+    for n, w, (ids, text, last) in zip(GOLDEN_LENGTHS * 2, want, got):
+        assert ids == w, f"{n}-token prompt via {router}: {ids} != colocated {w}"
+        assert text == tok.decode(ids, skip_special_tokens=True)
+        assert last.usage.prompt_tokens == n and last.usage.completion_tokens == len(ids)
+        assert last.HasField("finish_reason") and last.timings.e2e_s >= last.timings.ttft_s > 0
+
+
+def test_golden_2p2d_32_concurrent_streams(cl, tiny_model_dir: Path) -> None:
+    _golden(cl, "A", tiny_model_dir, seed=11)
+
+
+def test_golden_1p1d_static_workers(cl, tiny_model_dir: Path) -> None:
+    _golden(cl, "B", tiny_model_dir, seed=12)
+
+
+def test_text_prompt_stop_string_and_complete(cl) -> None:
+    stub = cl.generation(cl.by_name["A"])
+    req = generation_pb2.GenerateRequest(text="The river and the mountain",
+                                         sampling=common_pb2.SamplingParams(temperature=0,
+                                                                            max_tokens=40))
+    full = stub.Complete(req, timeout=60)
+    assert full.text and full.usage.completion_tokens == len(full.token_ids)
+    stop = full.text[len(full.text) // 2:][:3]  # a string that really occurs mid-output
+    req.sampling.stop.append(stop)
+    cut = stub.Complete(req, timeout=60)
+    assert cut.finish_reason == STOP and cut.stop_reason == stop
+    assert cut.text == full.text[:full.text.index(stop)]
+
+
+def test_cancel_mid_stream_frees_both_sides(cl, tiny_model_dir: Path) -> None:
+    (ids,) = make_prompts(tiny_model_dir, [300], seed=13)
+    stub = cl.generation(cl.by_name["A"])
+    call = stub.Generate(_request(ids, max_tokens=3000, ignore_eos=True), timeout=120)
+    for i, _ in enumerate(call):
+        if i == 3:
+            call.cancel()
+            break
+    # autouse leak_check: the decode worker aborted the request and freed its blocks
+
+
+def test_deadline_exceeded(cl, tiny_model_dir: Path) -> None:
+    (ids,) = make_prompts(tiny_model_dir, [200], seed=14)
+    stub = cl.generation(cl.by_name["A"])
+    with pytest.raises(grpc.RpcError) as e:
+        _stream(stub, _request(ids, max_tokens=3000, ignore_eos=True), timeout=1.0)
+    assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+@pytest.mark.parametrize(("req", "field"), [
+    (generation_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)), "prompt"),
+    (generation_pb2.GenerateRequest(text=""), "text"),
+    (_request([1, 2], temperature=3.0), "sampling.temperature"),
+    (_request([1, 2], top_p=0.0), "sampling.top_p"),
+    (_request([1, 2], top_k=-5), "sampling.top_k"),
+    (_request([1, 2], max_tokens=0), "sampling.max_tokens"),
+    (_request([1, 2], max_tokens=5000), "sampling.max_tokens"),
+    (_request([1, 2], stop=[""]), "sampling.stop"),
+    (_request([1, 10**7]), "token_ids"),
+    (generation_pb2.GenerateRequest(model="gpt-9", text="hi"), "model"),
+])
+def test_bad_input_is_invalid_argument(cl, req, field: str) -> None:
+    stub = cl.generation(cl.by_name["A"])
+    with pytest.raises(grpc.RpcError) as e:
+        _stream(stub, req, timeout=30)
+    assert e.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert field in e.value.details()
+    ids, _, _ = _stream(stub, _request([1, 2, 3], max_tokens=4))  # still serving
+    assert len(ids) >= 1
+
+
+def test_overload_is_resource_exhausted_and_admitted_complete(cl, tiny_model_dir: Path) -> None:
+    prompts = make_prompts(tiny_model_dir, [50] * 6, seed=15)
+    stub = cl.generation(cl.by_name["O"])
+
+    def one(ids):
+        try:
+            return _stream(stub, _request(ids, max_tokens=200, ignore_eos=True))[0]
+        except grpc.RpcError as e:
+            return e.code()
+
+    with cf.ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(one, prompts))
+    rejected = [r for r in results if r == grpc.StatusCode.RESOURCE_EXHAUSTED]
+    done = [r for r in results if isinstance(r, list)]
+    assert rejected and done and len(rejected) + len(done) == 6
+    assert all(len(r) == 200 for r in done)
+
+
+def test_no_worker_is_unavailable(cl) -> None:
+    with pytest.raises(grpc.RpcError) as e:
+        _stream(cl.generation(cl.by_name["E"]), _request([1, 2, 3]), timeout=10)
+    assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_zz_sigkill_idle_worker_is_dropped(cl, tiny_model_dir: Path) -> None:
+    """Last in the module: it takes D1 away for good."""
+    cl.by_name["D1"].kill()
+    _wait_models(cl, "A", prefill=2, decode=1)  # after the heartbeat timeout
+    stub = cl.generation(cl.by_name["A"])
+    prompts = make_prompts(tiny_model_dir, [40] * 8, seed=16)
+    with cf.ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda p: _stream(stub, _request(p, max_tokens=8))[0], prompts))
+    assert all(len(g) >= 1 for g in got)
