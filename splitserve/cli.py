@@ -90,7 +90,17 @@ def _up(a: argparse.Namespace) -> int:
     model = resolve_model(a.model)  # generate the default model once, before the workers race
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue)]
-    return up(model, a.prefill, a.decode, a.colocated, a.grpc_port, _engine_argv(a), router_args)
+    run_until = None
+    if a.demo is not None:
+        from splitserve.client import generate
+
+        def run_until(address: str) -> bool:  # answer one request, then stop the cluster
+            if generate(address, a.demo, 32, 0.0, None, 120.0) != 0:
+                raise RuntimeError("the demo request failed")
+            return True
+
+    return up(model, a.prefill, a.decode, a.colocated, a.grpc_port, _engine_argv(a), router_args,
+              run_until=run_until)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -133,6 +143,8 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--decode", type=int, default=1, help="decode workers")
     u.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers")
     u.add_argument("--grpc-port", type=int, default=50051)
+    u.add_argument("--demo", metavar="PROMPT", default=None,
+                   help="start, stream the completion of PROMPT, then stop everything")
     u.set_defaults(func=_up)
 
     r = sub.add_parser("router", help="the router alone")
@@ -201,6 +213,9 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as e:  # bad user input: one clear line, not a traceback
         print(f"splitserve: error: {e}", file=sys.stderr)
         return 2
+    except (RuntimeError, TimeoutError) as e:  # a component failed to start or to answer
+        print(f"splitserve: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

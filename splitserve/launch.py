@@ -123,7 +123,8 @@ def up(model: str, n_prefill: int, n_decode: int, n_colocated: int, grpc_port: i
         print(f"[splitserve] ready in {time.monotonic() - t0:.0f} s. gRPC: {address}\n"
               f"[splitserve] try: splitserve generate \"Hello\" --router {address}",
               file=sys.stderr, flush=True)
-        print(address, flush=True)  # stdout: the one thing scripts need
+        if run_until is None:
+            print(address, flush=True)  # stdout: the one thing scripts need
         while True:
             if run_until is not None and run_until(address):
                 break
