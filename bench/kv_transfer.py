@@ -91,6 +91,13 @@ def child(target: Callable[..., None], *args: Any) -> Iterator[None]:
         proc.join()
 
 
+def _die_with_parent() -> None:
+    """In a spawned child: exit as soon as the parent is gone, however it ended (even SIGKILL)."""
+    parent = mp.parent_process()
+    assert parent is not None
+    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
+
+
 # -- pair channel (gloo) and raw TCP: the sender is a child, the receiver this process ----------
 def _sender_loop(send: Callable[[int], object], wait_flag: Callable[[], object], sizes: list[int],
                  repeats: int) -> None:
@@ -114,6 +121,7 @@ def _timed(recv: Callable[[int], object], go: Callable[[], object], n: int,
 
 
 def _pair_sender(store_port: int, pair_key: str, sizes: list[int], repeats: int) -> None:
+    _die_with_parent()
     chan = PairChannel(connect_store(HOST, store_port, TIMEOUT_S), pair_key, PRODUCER_RANK, CPU,
                        TIMEOUT_S, HOST)
     buf, flag = torch.ones(max(sizes), dtype=torch.uint8), torch.zeros(1, dtype=torch.uint8)
@@ -149,6 +157,7 @@ def _recv_full(sock: socket.socket, view: memoryview) -> None:
 
 
 def _tcp_sender(port: int, sizes: list[int], repeats: int) -> None:
+    _die_with_parent()
     buf, flag = memoryview(bytearray(max(sizes))), memoryview(bytearray(1))
     with socket.create_connection((HOST, port), timeout=TIMEOUT_S) as sock:
         _sender_loop(lambda n: sock.sendall(buf[:n]), lambda: _recv_full(sock, flag), sizes,
