@@ -12,15 +12,16 @@ Columns:
   pair_channel_gbps  a uint8 tensor from rank 0 to rank 1 over PairChannel (gloo on CPU); the
                      receiver recvs into the channel's reused staging buffer, as in production.
   tcp_loopback_gbps  raw TCP over loopback: sendall of a memoryview, recv_into a preallocated
-                     buffer until it is full. Gloo's CPU transport is itself TCP sockets (one
-                     connected pair per peer), so this is the ceiling of the gloo path: gloo can
-                     only add framing, a send/recv rendezvous and thread hand-offs on top of it.
+                     buffer until it is full (TCP_NODELAY, as gloo). Gloo's CPU transport is
+                     itself one TCP connection per peer pair and device, so this single stream
+                     is the ceiling of the gloo path: gloo only adds framing, a send/recv
+                     rendezvous per message and hand-offs to its event-loop thread.
   memcpy_gbps        dst.copy_(src) of uint8 tensors in one process: the local memory ceiling
                      (loopback TCP copies every byte at least twice, user -> kernel -> user).
   connector_gbps     the whole transport path: this process's Consumer pulls a PullJob from a
                      Producer in a child process (gather -> side-channel request -> pair channel
-                     -> scatter), timed submit -> result, a new held transfer per repeat: two
-                     more copies (gather, scatter) and a side-channel round trip than the above.
+                     -> scatter), timed submit -> result, a new held transfer per repeat. On
+                     top of pair_channel: two copies (gather, scatter), a side-channel round trip.
   pair_vs_tcp        pair_channel_gbps / tcp_loopback_gbps (1.0: gloo costs nothing over TCP).
 """
 
@@ -95,7 +96,12 @@ def _die_with_parent() -> None:
     """In a spawned child: exit as soon as the parent is gone, however it ended (even SIGKILL)."""
     parent = mp.parent_process()
     assert parent is not None
-    threading.Thread(target=lambda: (parent.join(), os._exit(1)), daemon=True).start()
+
+    def watch() -> None:
+        parent.join()
+        os._exit(1)
+
+    threading.Thread(target=watch, daemon=True).start()
 
 
 # -- pair channel (gloo) and raw TCP: the sender is a child, the receiver this process ----------
@@ -160,6 +166,7 @@ def _tcp_sender(port: int, sizes: list[int], repeats: int) -> None:
     _die_with_parent()
     buf, flag = memoryview(bytearray(max(sizes))), memoryview(bytearray(1))
     with socket.create_connection((HOST, port), timeout=TIMEOUT_S) as sock:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)  # as gloo does
         _sender_loop(lambda n: sock.sendall(buf[:n]), lambda: _recv_full(sock, flag), sizes,
                      repeats)
 
@@ -172,6 +179,7 @@ def tcp_loopback(sizes: list[int], repeats: int) -> Iterator[Measure]:
             conn, buf = srv.accept()[0], memoryview(bytearray(max(sizes)))
             with conn:
                 conn.settimeout(TIMEOUT_S)
+                conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
                 yield lambda n: _timed(lambda k: _recv_full(conn, buf[:k]),
                                        lambda: conn.sendall(b"g"), n, repeats)
                 conn.sendall(b"d")

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import time
 
+from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.worker.convert import finish_reason_to_proto, kv_params_from_proto, sampling_to_vllm
 from splitserve.worker.core import WorkerCore, rpc_errors
-from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -34,8 +34,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             with self.core.admit(context) as engine:
                 params = sampling_to_vllm(request.sampling, kv_transfer_params=kv)
                 t_first = None
-                async for out in engine.generate({"prompt_token_ids": list(request.prompt_token_ids)},
-                                                 params, request_id=request.request_id):
+                prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+                async for out in engine.generate(prompt, params, request_id=request.request_id):
                     output = out.outputs[0]
                     if t_first is None and output.token_ids:
                         t_first = time.perf_counter()

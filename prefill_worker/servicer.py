@@ -10,17 +10,22 @@ from __future__ import annotations
 
 import time
 
-from splitserve.worker.convert import (finish_reason_to_proto, first_logprob, kv_params_to_proto,
-                                       sampling_to_vllm)
-from splitserve.worker.core import WorkerCore, rpc_errors
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
+from splitserve.worker.convert import (
+    finish_reason_to_proto,
+    first_logprob,
+    kv_params_to_proto,
+    sampling_to_vllm,
+)
+from splitserve.worker.core import WorkerCore, rpc_errors
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
 
-    async def Prefill(self, request: worker_pb2.PrefillRequest, context) -> worker_pb2.PrefillResponse:
+    async def Prefill(self, request: worker_pb2.PrefillRequest,
+                      context) -> worker_pb2.PrefillResponse:
         t0 = time.perf_counter()
         async with rpc_errors(context, request.request_id):
             if not request.prompt_token_ids:
@@ -34,8 +39,8 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     request.sampling, max_tokens=1, min_tokens=min(request.sampling.min_tokens, 1),
                     kv_transfer_params={"do_remote_decode": True} if wants_decode else None)
                 final = None
-                async for out in engine.generate({"prompt_token_ids": list(request.prompt_token_ids)},
-                                                 params, request_id=request.request_id):
+                prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+                async for out in engine.generate(prompt, params, request_id=request.request_id):
                     final = out
                 output = final.outputs[0]
                 resp = worker_pb2.PrefillResponse(

@@ -11,6 +11,7 @@ class RouterConfig:
     model_name: str | None = None  # served name; defaults to the directory's name
     host: str = "127.0.0.1"
     port: int = 50051  # gRPC (public Generation + internal Registry); 0 picks a free port
+    http_port: int | None = None  # OpenAI-compatible HTTP + /metrics + /health; None = off
     max_model_len: int = 4096  # prompt + max_tokens limit; must match the workers' engines
     max_concurrency: int = 64  # requests in flight through the router at once
     max_queue: int = 256  # requests waiting for a slot; beyond it RESOURCE_EXHAUSTED

@@ -22,6 +22,7 @@ import grpc
 
 from router.config import RouterConfig
 from router.flow import FlowTimings, WorkerFailed, run_flow
+from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.registry import Worker, WorkerRegistry
 from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
@@ -29,6 +30,11 @@ from router.validation import InvalidArgument, check_model, validate_prompt, val
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
+
+
+OUTCOME_OF = {grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected", grpc.StatusCode.UNAVAILABLE:
+              "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
+              grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.INVALID_ARGUMENT: "invalid"}
 
 
 class Rejected(Exception):
@@ -68,8 +74,9 @@ class Admission:
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, tokenizer: RouterTokenizer,
-                 served_model: str) -> None:
+                 served_model: str, metrics: RouterMetrics) -> None:
         self.cfg = cfg
+        self.metrics = metrics
         self.registry = registry
         self.tokenizer = tokenizer
         self.served_model = served_model
@@ -113,14 +120,23 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # -- the request ----------------------------------------------------------------------------
     async def _guarded(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Status codes for everything that can go wrong before or during the stream."""
+        """Status codes (and the outcome metric) for everything that can go wrong."""
+        trace = self.metrics.trace()
         try:
-            async for chunk in self._generate(request, context):
+            async for chunk in self.stream(request, context.time_remaining(), trace):
                 yield chunk
         except InvalidArgument as e:
+            trace.finish("invalid")
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         except (Rejected, WorkerFailed) as e:
+            trace.finish(OUTCOME_OF.get(e.code, "error"))
             await context.abort(e.code, str(e))
+        except asyncio.CancelledError:
+            left = context.time_remaining()
+            trace.finish("deadline" if left is not None and left <= 0 else "cancelled")
+            raise
+        finally:
+            trace.finish("error")  # no-op unless something unexpected escaped
 
     def prepare(self, request: generation_pb2.GenerateRequest
                 ) -> tuple[list[int], common_pb2.SamplingParams, tuple[str, ...]]:
@@ -153,24 +169,35 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                        f"no live worker can serve {self.served_model!r}: {len(prefill)} prefill, "
                        f"{len(decode)} decode, {len(colocated)} colocated")
 
-    async def _generate(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        t0 = time.perf_counter()
+    async def stream(self, request: generation_pb2.GenerateRequest, timeout: float | None,
+                     trace: RequestTrace) -> AsyncIterator[generation_pb2.GenerateResponse]:
+        """The request as response chunks; raises InvalidArgument, Rejected or WorkerFailed.
+        Shared by the gRPC service and the HTTP front."""
+        t0 = trace.arrival
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         ids, sp, stops = self.prepare(request)
-        await self.admission.acquire()
+        m = self.metrics
+        m.waiting.labels(m.model).inc()
+        try:
+            await self.admission.acquire()
+        finally:
+            m.waiting.labels(m.model).dec()
+        m.running.labels(m.model).inc()
         try:
             queue_s = time.perf_counter() - t0
             prefill, decode = self.route(len(ids), request.local_prefill)
+            trace.admitted(len(ids), prefill is not None)
             timings = FlowTimings()
             detok = None if request.skip_detokenize else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not request.HasField("skip_special_tokens")
                 or request.skip_special_tokens)
             stop = StopMatcher(stops)
             n_out, finish, stop_reason = 0, None, None
-            flow = run_flow(rid, ids, sp, prefill, decode, context.time_remaining(), timings)
+            flow = run_flow(rid, ids, sp, prefill, decode, timeout, timings)
             try:
                 async for ev in flow:
                     n_out += len(ev.token_ids)
+                    trace.tokens(len(ev.token_ids))
                     text = ""
                     if detok is not None:
                         text, stop_reason = stop.feed(detok.push(ev.token_ids))
@@ -186,12 +213,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                             chunk.text += stop.feed(detok.flush())[0] + stop.flush()
                         self._finish(chunk, finish, stop_reason, len(ids), n_out, queue_s,
                                      timings, t0)
+                    if finish is not None:
+                        trace.finish("finished")
                     yield chunk
                     if finish is not None:
                         break
             finally:
                 await flow.aclose()  # cancels the decode RPC when we stopped early
         finally:
+            m.running.labels(m.model).dec()
             self.admission.release()
 
     @staticmethod

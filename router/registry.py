@@ -18,8 +18,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from splitserve.v1 import (common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2,
-                           worker_pb2_grpc)
+from splitserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 

@@ -62,7 +62,8 @@ def _worker(role: str):
             kv_role=kv_role, kv_connector_config=kv if kv_role else {},
             kv_failure_policy=a.kv_failure_policy, cpu_cores=a.cpu_cores)
         cfg = WorkerConfig(role=role, engine=engine, host=a.host, port=a.port, router=a.router,
-                           worker_id=a.worker_id, model_name=a.model_name)
+                           worker_id=a.worker_id, model_name=a.model_name,
+                           metrics_port=a.metrics_port)
         asyncio.run(serve(cfg, a.ready_file))
         return 0
     return run
@@ -76,7 +77,8 @@ def _router(a: argparse.Namespace) -> int:
     cfg = RouterConfig(
         model_dir=resolve_model(a.model), model_name=a.model_name, host=a.host, port=a.grpc_port,
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-        local_prefill_threshold=a.local_prefill_threshold,
+        local_prefill_threshold=a.local_prefill_threshold, http_port=a.http_port,
+        api_key=a.api_key,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
         static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
     asyncio.run(serve(cfg, a.ready_file))
@@ -89,7 +91,10 @@ def _up(a: argparse.Namespace) -> int:
 
     model = resolve_model(a.model)  # generate the default model once, before the workers race
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
-                   str(a.max_concurrency), "--max-queue", str(a.max_queue)]
+                   str(a.max_concurrency), "--max-queue", str(a.max_queue),
+                   "--http-port", str(a.http_port)]
+    if a.api_key:
+        router_args += ["--api-key", a.api_key]
     run_until = None
     if a.demo is not None:
         from splitserve.client import generate
@@ -108,7 +113,8 @@ def _generate(a: argparse.Namespace) -> int:
 
     if a.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
-    return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout)
+    return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout,
+                    a.api_key)
 
 
 def _make_tiny_model(a: argparse.Namespace) -> int:
@@ -128,6 +134,11 @@ def _generate_local(a: argparse.Namespace) -> int:
 def _router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--http-port", type=int, default=8000,
+                   help="OpenAI-compatible HTTP API, /metrics and /health (0: any free port)")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
+                   help="require `Authorization: Bearer KEY` on /v1/* and on gRPC Generation "
+                        "(default $SPLITSERVE_API_KEY)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -170,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--router", default=None, help="router address to register with")
         w.add_argument("--worker-id", default=None)
         w.add_argument("--model-name", default=None)
+        w.add_argument("--metrics-port", type=int, default=0,
+                       help="Prometheus /metrics port (0: any free port)")
         w.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
         w.set_defaults(func=_worker(role))
 
@@ -180,6 +193,7 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    g.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
     g.set_defaults(func=_generate)
 
     gl = sub.add_parser("generate-local", help="stream from one in-process engine (no cluster)")

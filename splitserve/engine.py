@@ -119,7 +119,8 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # Read by the engine's worker process, which inherits our environment when it is spawned.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
-    log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype, cfg.kv_role)
+    log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype,
+             cfg.kv_role)
     loggers = [monitor.factory] if monitor is not None else None
     return AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
 

@@ -8,6 +8,7 @@ with its whole process group (vLLM engines have children of their own), so nothi
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -110,7 +111,8 @@ def up(model: str, n_prefill: int, n_decode: int, n_colocated: int, grpc_port: i
         t0 = time.monotonic()
         cluster.spawn("router", ["router", "--model", model, "--grpc-port", str(grpc_port),
                                  "--ready-file", str(tmp / "router"), *router_args])
-        address = wait_file(tmp / "router", cluster, 60)
+        endpoints = json.loads(wait_file(tmp / "router", cluster, 60))
+        address = endpoints["grpc"]
         roles = ["prefill"] * n_prefill + ["decode"] * n_decode + ["colocated"] * n_colocated
         for i, role in enumerate(roles):
             cluster.spawn(f"{role}-{i}", [role, "--model", model, "--router", address,
@@ -120,7 +122,10 @@ def up(model: str, n_prefill: int, n_decode: int, n_colocated: int, grpc_port: i
               f"({n_prefill} prefill, {n_decode} decode, {n_colocated} colocated)",
               file=sys.stderr, flush=True)
         wait_workers(address, n_prefill, n_decode + n_colocated, cluster, start_timeout_s)
-        print(f"[splitserve] ready in {time.monotonic() - t0:.0f} s. gRPC: {address}\n"
+        http = endpoints.get("http")
+        print(f"[splitserve] ready in {time.monotonic() - t0:.0f} s. gRPC: {address}"
+              + (f"  HTTP (OpenAI API): {http}/v1  metrics: {http}/metrics" if http else "")
+              + "\n"
               f"[splitserve] try: splitserve generate \"Hello\" --router {address}",
               file=sys.stderr, flush=True)
         if run_until is None:

@@ -37,3 +37,9 @@ def test_router_imports_neither_torch_nor_vllm() -> None:
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "", f"router pulled in: {out.stdout.strip()}"
+
+
+def test_ruff_is_clean() -> None:
+    out = subprocess.run([sys.executable, "-m", "ruff", "check", "."], cwd=ROOT,
+                         capture_output=True, text=True)
+    assert out.returncode == 0, out.stdout[-3000:]

@@ -50,7 +50,8 @@ def test_transformers_loads_weights_and_tokenizer(tiny_model_dir: Path) -> None:
     assert chat.endswith("### assistant:\n") and "hi" in chat
 
 
-@pytest.mark.parametrize("text", ["plain ascii", "café naïve", "日本語 🚀 👍🏽", "def f(x):\n  return 1"])
+@pytest.mark.parametrize("text", ["plain ascii", "café naïve", "日本語 🚀 👍🏽",
+                                  "def f(x):\n  return 1"])
 def test_tokenizer_round_trips_any_text(tiny_model_dir: Path, text: str) -> None:
     tok = Tokenizer.from_file(str(tiny_model_dir / "tokenizer.json"))
     enc = tok.encode(text)

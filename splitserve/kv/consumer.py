@@ -198,7 +198,8 @@ class Consumer:
                             if self.secret else ""})
             reply = recv_msg(sock)
             if not reply.get("ok"):
-                raise IncompatiblePeer(f"KV producer at {host}:{port} refused: {reply.get('error')}")
+                raise IncompatiblePeer(
+                    f"KV producer at {host}:{port} refused: {reply.get('error')}")
             store = connect_store(host, int(reply["store_port"]), self.timeout_s)
             device = next(iter(self._kv.values())).device
             chan = PairChannel(store, pair_key, CONSUMER_RANK, device, self.timeout_s, self.host)

@@ -51,7 +51,7 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     while got < n:
         try:
             chunk = sock.recv(n - got)
-        except socket.timeout as e:
+        except TimeoutError as e:
             raise WireError("side channel timed out waiting for the peer") from e
         except OSError as e:
             raise WireError(f"side channel receive failed: {e}") from e

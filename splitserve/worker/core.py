@@ -34,6 +34,7 @@ class WorkerConfig:
     router: str | None = None  # router address to register with; None = static list only
     worker_id: str | None = None
     model_name: str | None = None  # served name; defaults to the model directory's name
+    metrics_port: int | None = 0  # Prometheus /metrics; 0 = any free port, None = off
     drain_timeout_s: float = 30.0
     heartbeat_interval_s: float = 1.0
 

@@ -12,8 +12,8 @@ import logging
 
 import grpc
 
-from splitserve.worker.core import ROLES, WorkerCore
 from splitserve.v1 import registry_pb2, registry_pb2_grpc
+from splitserve.worker.core import ROLES, WorkerCore
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,7 @@ connection; the worker registers only once it can serve; SIGTERM drains before i
 from __future__ import annotations
 
 import asyncio
+import json
 import logging
 import signal
 import sys
@@ -20,9 +21,9 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine import build_engine
+from splitserve.v1 import worker_pb2, worker_pb2_grpc
 from splitserve.worker.core import Phase, WorkerConfig, WorkerCore
 from splitserve.worker.registration import heartbeat_loop
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -58,7 +59,15 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
     address = f"{cfg.advertise_host or cfg.host}:{port}"
     await _set_health(health_servicer, names, serving=False)
     await server.start()
-    _progress(f"{cfg.role} worker {engine_cfg.engine_id}: gRPC on {address}, loading the engine")
+    endpoints = {"grpc": address}
+    if cfg.metrics_port is not None:
+        from splitserve.worker.metrics import start_metrics
+
+        mport = start_metrics(core, cfg.host, cfg.metrics_port)
+        endpoints["metrics"] = f"http://{cfg.advertise_host or cfg.host}:{mport}/metrics"
+    _progress(f"{cfg.role} worker {engine_cfg.engine_id}: gRPC on {address}"
+              + (f", metrics on {endpoints['metrics']}" if "metrics" in endpoints else "")
+              + ", loading the engine")
 
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
@@ -83,7 +92,7 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: ready in {time.monotonic() - t0:.1f} s "
               f"({core.total_kv_blocks} KV blocks)")
     if ready_file:
-        Path(ready_file).write_text(address)
+        Path(ready_file).write_text(json.dumps(endpoints))
 
     beats = None
     if cfg.router:

@@ -6,13 +6,14 @@ Each process runs in its own session so that stopping it takes its vLLM engine p
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
@@ -28,6 +29,7 @@ class Proc:
     popen: subprocess.Popen
     address: str = ""
     role: str = ""
+    endpoints: dict = field(default_factory=dict)
 
     def kill(self) -> None:
         try:
@@ -56,7 +58,8 @@ class ProcCluster:
         return proc
 
     def router(self, name: str, *args: str) -> Proc:
-        return self._spawn(name, ["router", "--model", self.model, "--grpc-port", "0", *args])
+        return self._spawn(name, ["router", "--model", self.model, "--grpc-port", "0",
+                                  "--http-port", "0", *args])
 
     def worker(self, name: str, role: str, core: int, *args: str) -> Proc:
         p = self._spawn(name, [role, "--model", self.model, "--dtype", "float32",
@@ -75,7 +78,8 @@ class ProcCluster:
                 if time.monotonic() > deadline:
                     raise TimeoutError(f"{p.name} not ready: {self.log(p.name)[-3000:]}")
                 time.sleep(0.2)
-            p.address = f.read_text()
+            p.endpoints = json.loads(f.read_text())
+            p.address = p.endpoints["grpc"]
 
     def log(self, name: str) -> str:
         return (self.tmp / f"{name}.log").read_text(errors="replace")

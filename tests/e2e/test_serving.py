@@ -1,17 +1,9 @@
 """End to end over gRPC: real router and worker processes, real vLLM engines, CPU + gloo.
-
-One pool of engines serves every test in the module (engines cost ~15 s each to start):
-  P0 P1 prefill, D0 D1 decode — registered with router A (2P2D)
-  router B: static list P0 + D0 (1P1D, and the static-worker path)
-  router R: static colocated worker C (the colocated-vLLM reference)
-  router O: P0 + D0 with one slot and a one-deep queue (overload)
-After every test the workers are idle with every KV block free; at the end no process survives.
-"""
+The cluster (tests/e2e/conftest.py) is shared with the other e2e modules."""
 
 from __future__ import annotations
 
 import concurrent.futures as cf
-import time
 from pathlib import Path
 
 import grpc
@@ -22,55 +14,8 @@ from splitserve.v1 import common_pb2, generation_pb2
 from tests.e2e.cluster import ProcCluster
 from tests.utils import GOLDEN_LENGTHS, make_prompts
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("leak_check")]
 STOP = common_pb2.FINISH_REASON_STOP
-
-
-@pytest.fixture(scope="module")
-def cl(tiny_model_dir: Path):
-    c = ProcCluster(tiny_model_dir)
-    try:
-        c.router("A", "--heartbeat-timeout-s", "3")
-        c.wait_ready(60)
-        a = c.procs[0].address
-        c.worker("P0", "prefill", 0, "--router", a)
-        c.worker("D0", "decode", 1, "--router", a)
-        c.worker("P1", "prefill", 0, "--router", a)
-        c.worker("D1", "decode", 1, "--router", a)
-        c.worker("C", "colocated", 0)
-        c.wait_ready()
-        w = {p.name: p.address for p in c.procs}
-        c.router("B", "--static-prefill", w["P0"], "--static-decode", w["D0"])
-        c.router("R", "--static-colocated", w["C"])
-        c.router("O", "--static-prefill", w["P0"], "--static-decode", w["D0"],
-                 "--max-concurrency", "1", "--max-queue", "1")
-        c.router("E")  # no workers at all
-        c.wait_ready()
-        c.by_name = {p.name: p for p in c.procs}
-        _wait_models(c, "A", prefill=2, decode=2)
-        for r in ("B", "O"):
-            _wait_models(c, r, prefill=1, decode=1)
-        _wait_models(c, "R", prefill=0, decode=1)
-        yield c
-    finally:
-        c.close()
-
-
-@pytest.fixture(autouse=True)
-def leak_check(cl: ProcCluster):
-    yield
-    cl.assert_workers_idle()
-
-
-def _wait_models(c: ProcCluster, router: str, prefill: int, decode: int) -> None:
-    stub = c.generation(c.by_name[router])
-    deadline = time.monotonic() + 30
-    while True:
-        (m,) = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=5).models
-        if (m.prefill_workers, m.decode_workers) == (prefill, decode):
-            return
-        assert time.monotonic() < deadline, f"router {router} sees {m}"
-        time.sleep(0.2)
 
 
 def _request(ids: list[int], max_tokens: int = 24, **sampling) -> generation_pb2.GenerateRequest:
@@ -78,7 +23,8 @@ def _request(ids: list[int], max_tokens: int = 24, **sampling) -> generation_pb2
     return generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids), sampling=sp)
 
 
-def _stream(stub, req, timeout: float = 120.0) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
+def _stream(stub, req, timeout: float = 120.0
+            ) -> tuple[list[int], str, generation_pb2.GenerateResponse]:
     ids, text, last = [], "", None
     for chunk in stub.Generate(req, timeout=timeout):
         ids += chunk.token_ids
@@ -187,14 +133,3 @@ def test_no_worker_is_unavailable(cl) -> None:
     with pytest.raises(grpc.RpcError) as e:
         _stream(cl.generation(cl.by_name["E"]), _request([1, 2, 3]), timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
-
-
-def test_zz_sigkill_idle_worker_is_dropped(cl, tiny_model_dir: Path) -> None:
-    """Last in the module: it takes D1 away for good."""
-    cl.by_name["D1"].kill()
-    _wait_models(cl, "A", prefill=2, decode=1)  # after the heartbeat timeout
-    stub = cl.generation(cl.by_name["A"])
-    prompts = make_prompts(tiny_model_dir, [40] * 8, seed=16)
-    with cf.ThreadPoolExecutor(8) as pool:
-        got = list(pool.map(lambda p: _stream(stub, _request(p, max_tokens=8))[0], prompts))
-    assert all(len(g) >= 1 for g in got)

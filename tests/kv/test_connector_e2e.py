@@ -20,8 +20,15 @@ import pytest
 from splitserve.engine import EngineConfig, build_engine
 from splitserve.engine_stats import EngineMonitor
 from tests.kv.test_transport import ProducerProc
-from tests.utils import (GOLDEN_LENGTHS, LoopThread, collect, disagg_greedy, engine_greedy,
-                         make_prompts, wait_idle)
+from tests.utils import (
+    GOLDEN_LENGTHS,
+    LoopThread,
+    collect,
+    disagg_greedy,
+    engine_greedy,
+    make_prompts,
+    wait_idle,
+)
 
 pytestmark = pytest.mark.slow
 LEASE_S = 4.0

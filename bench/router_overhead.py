@@ -1,0 +1,124 @@
+"""What the router adds: TTFT and per-token latency through the router vs straight to a worker.
+
+One colocated worker (tiny model by default) and a router that knows it statically. The same
+greedy requests alternate between the two paths, so machine noise hits both alike:
+  direct   DecodeWorker.Decode on the worker (token ids in, token ids out)
+  router   Generation.Generate on the router (validation, admission, routing, detokenisation)
+Prints a table and, with --json FILE, writes the numbers. Overheads are differences of medians.
+
+    python bench/router_overhead.py [--requests 40] [--max-tokens 64] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import grpc
+
+from splitserve.launch import Cluster, wait_file
+from splitserve.tiny_model import resolve_model
+from splitserve.v1 import (
+    common_pb2,
+    generation_pb2,
+    generation_pb2_grpc,
+    worker_pb2,
+    worker_pb2_grpc,
+)
+
+
+def timed(stream) -> tuple[float, list[float]]:
+    """(TTFT, gaps between later chunks) of one streaming call."""
+    t0 = time.perf_counter()
+    marks = []
+    for chunk in stream:
+        if chunk.token_ids:
+            marks.append(time.perf_counter())
+    return marks[0] - t0, [b - a for a, b in zip(marks, marks[1:])]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None)
+    ap.add_argument("--requests", type=int, default=40)
+    ap.add_argument("--max-tokens", type=int, default=64)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    model = resolve_model(a.model)
+    tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
+    cluster = Cluster()
+    try:
+        cluster.spawn("worker", ["colocated", "--model", model, "--ready-file",
+                                 str(tmp / "worker"), "--metrics-port", "0"])
+        worker = json.loads(wait_file(tmp / "worker", cluster, 300))["grpc"]
+        cluster.spawn("router", ["router", "--model", model, "--grpc-port", "0", "--http-port",
+                                 "0", "--static-colocated", worker, "--ready-file",
+                                 str(tmp / "router")])
+        router = json.loads(wait_file(tmp / "router", cluster, 60))["grpc"]
+        results = run(worker, router, a.requests, a.max_tokens)
+    finally:
+        cluster.stop(grace_s=10)
+    report(results, a)
+
+
+def run(worker: str, router: str, n: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
+    sp = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    prompt = list(range(5, 69))  # 64 tokens
+    out = {"direct": {"ttft": [], "itl": []}, "router": {"ttft": [], "itl": []}}
+    with grpc.insecure_channel(worker) as wch, grpc.insecure_channel(router) as rch:
+        direct = worker_pb2_grpc.DecodeWorkerStub(wch)
+        via = generation_pb2_grpc.GenerationStub(rch)
+        deadline = time.monotonic() + 60  # the router polls its static worker before routing
+        while True:
+            try:
+                via.Complete(generation_pb2.GenerateRequest(
+                    token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sp), timeout=30)
+                break
+            except grpc.RpcError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.5)
+        for i in range(2 * n):  # alternate paths; the first pair warms both up
+            if i % 2 == 0:
+                req = worker_pb2.DecodeRequest(request_id=f"b{i}", prompt_token_ids=prompt,
+                                               sampling=sp)
+                ttft, gaps = timed(direct.Decode(req, timeout=60))
+                key = "direct"
+            else:
+                req = generation_pb2.GenerateRequest(
+                    token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sp)
+                ttft, gaps = timed(via.Generate(req, timeout=60))
+                key = "router"
+            if i >= 2:
+                out[key]["ttft"].append(ttft)
+                out[key]["itl"].extend(gaps)
+    return out
+
+
+def report(r: dict[str, dict[str, list[float]]], a: argparse.Namespace) -> None:
+    med = {k: {m: statistics.median(v[m]) * 1e3 for m in ("ttft", "itl")} for k, v in r.items()}
+    rows = {
+        "ttft_ms_direct": med["direct"]["ttft"], "ttft_ms_router": med["router"]["ttft"],
+        "ttft_overhead_ms": med["router"]["ttft"] - med["direct"]["ttft"],
+        "itl_ms_direct": med["direct"]["itl"], "itl_ms_router": med["router"]["itl"],
+        "itl_overhead_ms": med["router"]["itl"] - med["direct"]["itl"],
+        "ttft_ratio": med["router"]["ttft"] / med["direct"]["ttft"],
+        "itl_ratio": med["router"]["itl"] / med["direct"]["itl"],
+        "requests_per_path": a.requests - 1, "max_tokens": a.max_tokens,
+    }
+    print(f"{'':8} {'TTFT ms (median)':>18} {'ITL ms (median)':>17}")
+    for k in ("direct", "router"):
+        print(f"{k:8} {med[k]['ttft']:18.2f} {med[k]['itl']:17.3f}")
+    print(f"{'overhead':8} {rows['ttft_overhead_ms']:+18.2f} {rows['itl_overhead_ms']:+17.3f}"
+          f"   (ratio {rows['ttft_ratio']:.2f}x TTFT, {rows['itl_ratio']:.2f}x ITL)")
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()

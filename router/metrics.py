@@ -1,0 +1,108 @@
+"""Router metrics (Prometheus), named like vLLM's where the meaning is the same.
+
+One `RequestTrace` per request records the moments that define the latencies: arrival, admission,
+first token, each later token chunk, the end. `finish()` turns them into observations exactly
+once, so counters move by exactly one per request whatever path it ended on.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+# Buckets in seconds, as vLLM's: sub-millisecond to minutes.
+_LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0,
+            7.5, 10.0, 20.0, 40.0, 80.0, 160.0, 640.0)
+_TOKEN = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
+          0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
+OUTCOMES = ("finished", "cancelled", "deadline", "rejected", "invalid", "unavailable", "error")
+
+
+class RouterMetrics:
+    def __init__(self, registry: CollectorRegistry, model: str) -> None:
+        labels = ["model_name"]
+        self.model = model
+        self.requests = Counter("splitserve:requests", "Requests by outcome",
+                                [*labels, "outcome"], registry=registry)
+        self.ttft = Histogram("splitserve:time_to_first_token_seconds",
+                              "Arrival to first token at the router", labels,
+                              buckets=_LATENCY, registry=registry)
+        self.itl = Histogram("splitserve:inter_token_latency_seconds",
+                             "Time between token chunks of a stream", labels, buckets=_TOKEN,
+                             registry=registry)
+        self.tpot = Histogram("splitserve:time_per_output_token_seconds",
+                              "(e2e - ttft) / (output tokens - 1) per request", labels,
+                              buckets=_TOKEN, registry=registry)
+        self.e2e = Histogram("splitserve:e2e_request_latency_seconds", "Arrival to last token",
+                             labels, buckets=_LATENCY, registry=registry)
+        self.queue = Histogram("splitserve:request_queue_time_seconds",
+                               "Time waiting for an admission slot", labels, buckets=_LATENCY,
+                               registry=registry)
+        self.prompt_tokens = Counter("splitserve:prompt_tokens", "Prompt tokens", labels,
+                                     registry=registry)
+        self.generation_tokens = Counter("splitserve:generation_tokens", "Generated tokens",
+                                         labels, registry=registry)
+        self.routing = Counter("splitserve:routing_decisions",
+                               "Where prefill ran: remote (disaggregated) or local",
+                               [*labels, "prefill"], registry=registry)
+        self.running = Gauge("splitserve:num_requests_running", "Requests in flight",
+                             labels, registry=registry)
+        self.waiting = Gauge("splitserve:num_requests_waiting", "Requests queued for a slot",
+                             labels, registry=registry)
+        self.workers = Gauge("splitserve:workers", "Live workers by role", [*labels, "role"],
+                             registry=registry)
+        # Export zeros: rate() and the dashboard work from the first request on.
+        for outcome in OUTCOMES:
+            self.requests.labels(model, outcome)
+        self.running.labels(model)
+        self.waiting.labels(model)
+
+    def trace(self) -> RequestTrace:
+        return RequestTrace(self)
+
+
+@dataclass
+class RequestTrace:
+    metrics: RouterMetrics
+    arrival: float = field(default_factory=time.perf_counter)
+    last_token_at: float | None = None
+    first_token_at: float | None = None
+    num_prompt: int = 0
+    num_out: int = 0
+    done: bool = False
+
+    def admitted(self, num_prompt: int, remote_prefill: bool) -> None:
+        m = self.metrics
+        self.num_prompt = num_prompt
+        m.queue.labels(m.model).observe(time.perf_counter() - self.arrival)
+        m.routing.labels(m.model, "remote" if remote_prefill else "local").inc()
+
+    def tokens(self, n: int) -> None:
+        if n <= 0:
+            return
+        now = time.perf_counter()
+        m = self.metrics
+        if self.first_token_at is None:
+            self.first_token_at = now
+            m.ttft.labels(m.model).observe(now - self.arrival)
+        else:
+            m.itl.labels(m.model).observe(now - self.last_token_at)
+        self.last_token_at = now
+        self.num_out += n
+
+    def finish(self, outcome: str) -> None:
+        if self.done:
+            return
+        self.done = True
+        m = self.metrics
+        m.requests.labels(m.model, outcome).inc()
+        if outcome != "finished":
+            return
+        now = time.perf_counter()
+        m.e2e.labels(m.model).observe(now - self.arrival)
+        m.prompt_tokens.labels(m.model).inc(self.num_prompt)
+        m.generation_tokens.labels(m.model).inc(self.num_out)
+        if self.num_out > 1 and self.first_token_at is not None:
+            m.tpot.labels(m.model).observe((now - self.first_token_at) / (self.num_out - 1))
