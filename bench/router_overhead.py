@@ -1,4 +1,4 @@
-"""What the router adds: TTFT and per-token latency through the router vs straight to a worker.
+"""What the router adds: TTFT and time per output token through the router vs straight to a worker.
 
 One colocated worker (tiny model by default) and a router that knows it statically. The same
 greedy requests alternate between the two paths, so machine noise hits both alike:
@@ -31,14 +31,18 @@ from splitserve.v1 import (
 )
 
 
-def timed(stream) -> tuple[float, list[float]]:
-    """(TTFT, gaps between later chunks) of one streaming call."""
+def timed(stream) -> tuple[float, float]:
+    """(TTFT, TPOT) of one streaming call. TPOT = (last - first token) / (tokens - 1): chunk
+    gaps alone would mislead, since several tokens can arrive in one chunk."""
     t0 = time.perf_counter()
-    marks = []
+    first = last = None
+    n = 0
     for chunk in stream:
         if chunk.token_ids:
-            marks.append(time.perf_counter())
-    return marks[0] - t0, [b - a for a, b in zip(marks, marks[1:])]
+            last = time.perf_counter()
+            first = first or last
+            n += len(chunk.token_ids)
+    return first - t0, (last - first) / max(n - 1, 1)
 
 
 def main() -> None:
@@ -68,7 +72,7 @@ def main() -> None:
 def run(worker: str, router: str, n: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
     sp = common_pb2.SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     prompt = list(range(5, 69))  # 64 tokens
-    out = {"direct": {"ttft": [], "itl": []}, "router": {"ttft": [], "itl": []}}
+    out = {"direct": {"ttft": [], "tpot": []}, "router": {"ttft": [], "tpot": []}}
     with grpc.insecure_channel(worker) as wch, grpc.insecure_channel(router) as rch:
         direct = worker_pb2_grpc.DecodeWorkerStub(wch)
         via = generation_pb2_grpc.GenerationStub(rch)
@@ -86,35 +90,35 @@ def run(worker: str, router: str, n: int, max_tokens: int) -> dict[str, dict[str
             if i % 2 == 0:
                 req = worker_pb2.DecodeRequest(request_id=f"b{i}", prompt_token_ids=prompt,
                                                sampling=sp)
-                ttft, gaps = timed(direct.Decode(req, timeout=60))
+                ttft, tpot = timed(direct.Decode(req, timeout=60))
                 key = "direct"
             else:
                 req = generation_pb2.GenerateRequest(
                     token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sp)
-                ttft, gaps = timed(via.Generate(req, timeout=60))
+                ttft, tpot = timed(via.Generate(req, timeout=60))
                 key = "router"
             if i >= 2:
                 out[key]["ttft"].append(ttft)
-                out[key]["itl"].extend(gaps)
+                out[key]["tpot"].append(tpot)
     return out
 
 
 def report(r: dict[str, dict[str, list[float]]], a: argparse.Namespace) -> None:
-    med = {k: {m: statistics.median(v[m]) * 1e3 for m in ("ttft", "itl")} for k, v in r.items()}
+    med = {k: {m: statistics.median(v[m]) * 1e3 for m in ("ttft", "tpot")} for k, v in r.items()}
     rows = {
         "ttft_ms_direct": med["direct"]["ttft"], "ttft_ms_router": med["router"]["ttft"],
         "ttft_overhead_ms": med["router"]["ttft"] - med["direct"]["ttft"],
-        "itl_ms_direct": med["direct"]["itl"], "itl_ms_router": med["router"]["itl"],
-        "itl_overhead_ms": med["router"]["itl"] - med["direct"]["itl"],
+        "tpot_ms_direct": med["direct"]["tpot"], "tpot_ms_router": med["router"]["tpot"],
+        "tpot_overhead_ms": med["router"]["tpot"] - med["direct"]["tpot"],
         "ttft_ratio": med["router"]["ttft"] / med["direct"]["ttft"],
-        "itl_ratio": med["router"]["itl"] / med["direct"]["itl"],
+        "tpot_ratio": med["router"]["tpot"] / med["direct"]["tpot"],
         "requests_per_path": a.requests - 1, "max_tokens": a.max_tokens,
     }
-    print(f"{'':8} {'TTFT ms (median)':>18} {'ITL ms (median)':>17}")
+    print(f"{'':8} {'TTFT ms (median)':>18} {'TPOT ms (median)':>18}")
     for k in ("direct", "router"):
-        print(f"{k:8} {med[k]['ttft']:18.2f} {med[k]['itl']:17.3f}")
-    print(f"{'overhead':8} {rows['ttft_overhead_ms']:+18.2f} {rows['itl_overhead_ms']:+17.3f}"
-          f"   (ratio {rows['ttft_ratio']:.2f}x TTFT, {rows['itl_ratio']:.2f}x ITL)")
+        print(f"{k:8} {med[k]['ttft']:18.2f} {med[k]['tpot']:18.3f}")
+    print(f"{'overhead':8} {rows['ttft_overhead_ms']:+18.2f} {rows['tpot_overhead_ms']:+18.3f}"
+          f"   (ratio {rows['ttft_ratio']:.2f}x TTFT, {rows['tpot_ratio']:.2f}x TPOT)")
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
