@@ -3,6 +3,7 @@
   up          router + workers on this host (the local cluster)
   router      the router alone          prefill / decode / colocated   one worker each
   generate    stream a completion from a router
+  bench       SLO-driven load test (goodput, attainment, plots)
   generate-local   one in-process engine, no cluster
   make-tiny-model  write the embedded default model
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
@@ -117,6 +118,12 @@ def _generate(a: argparse.Namespace) -> int:
                     a.api_key)
 
 
+def _bench(a: argparse.Namespace) -> int:
+    from bench.run import main
+
+    return main(a)
+
+
 def _make_tiny_model(a: argparse.Namespace) -> int:
     from splitserve.tiny_model import write_model
 
@@ -204,6 +211,12 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--seed", type=int, default=None)
     gl.add_argument("--dtype", default="bfloat16")
     gl.set_defaults(func=_generate_local)
+
+    b = sub.add_parser("bench", help="SLO-driven load test against a router")
+    from bench.run import add_arguments
+
+    add_arguments(b)
+    b.set_defaults(func=_bench)
 
     m = sub.add_parser("make-tiny-model", help="write the embedded default model to DIR")
     m.add_argument("dir")

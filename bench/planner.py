@@ -1,0 +1,409 @@
+"""`splitserve plan`: DistServe-style capacity planning from measured load-test runs.
+
+Lifecycle: bench result JSONs (runs[*].requests) → `load_rows` tags each request row with the
+decode batch its run saw → `fit_profile` fits a linear per-worker `Profile` → `simulate` replays
+Poisson arrivals through a discrete-event model of P prefill + D decode workers, or of K colocated
+workers → `recommend` runs every config up to `max_workers` → `cheapest` is the fewest workers that
+reach the SLO attainment target. A plan is only as good as `assumptions()`: the CLI prints them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import heapq
+import json
+import math
+import random
+from collections import deque
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from statistics import median, quantiles
+from typing import Any
+
+_ARRIVE, _JOIN, _DONE = 0, 1, 2
+
+
+@dataclass(frozen=True)
+class Profile:
+    """Service times of one worker, in seconds."""
+
+    prefill_base_s: float
+    prefill_per_token_s: float  # one prefill of P prompt tokens: base + per_token * P
+    decode_base_s: float
+    decode_per_seq_s: float  # one decode step with b running sequences: base + per_seq * b
+    overhead_s: float  # once per request: router, network, KV transfer
+
+    def prefill_s(self, prompt_tokens: int) -> float:
+        return self.prefill_base_s + self.prefill_per_token_s * prompt_tokens
+
+    def step_s(self, batch: int) -> float:
+        return self.decode_base_s + self.decode_per_seq_s * batch
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Profile:
+        return cls(**{f.name: float(d[f.name]) for f in fields(cls)})
+
+    def __str__(self) -> str:
+        return (f"prefill {self.prefill_base_s * 1e3:.2f} ms + {self.prefill_per_token_s * 1e3:.4f}"
+                f" ms/token | decode step {self.decode_base_s * 1e3:.2f} ms + "
+                f"{self.decode_per_seq_s * 1e3:.3f} ms/seq | overhead {self.overhead_s * 1e3:.2f} ms")
+
+
+def _num(row: dict, key: str) -> bool:
+    v = row.get(key)
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _nonneg_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """Least-squares y = a + b*x with a, b >= 0: a negative time has no physical meaning."""
+    mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
+    sxx = sum((x - mx) ** 2 for x in xs)
+    b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
+    if b < 0:  # noise, or a single x: the mean is the honest estimate
+        return max(my, 0.0), 0.0
+    if my - b * mx < 0:  # negative intercept: refit through the origin
+        sxx0 = sum(x * x for x in xs)
+        return 0.0, (sum(x * y for x, y in zip(xs, ys)) / sxx0 if sxx0 else 0.0)
+    return my - b * mx, b
+
+
+def fit_profile(rows: list[dict]) -> Profile:
+    """A `Profile` from per-request rows (a bench result's `requests`; failed rows are skipped).
+
+    prefill: least squares of prefill_s on prompt_tokens. decode: a row's tpot_s is the mean step
+    time it saw; rows carrying `batch` (sequences decoding per decode worker, see `load_rows`) fit
+    tpot_s = base + per_seq * batch when >= 2 distinct batches exist; otherwise per_seq = 0 and
+    base = median tpot_s, which folds the batch effect into base (valid near the measured load).
+    overhead: median(ttft_s - prefill_s - queue_s), at least 0.
+    """
+    ok = [r for r in rows if r.get("ok", True)]
+    pre = [r for r in ok if _num(r, "prefill_s") and _num(r, "prompt_tokens")]
+    dec = [r for r in ok if _num(r, "tpot_s") and (r.get("output_tokens") or 0) > 1]
+    if not pre or not dec:
+        raise ValueError("need successful request rows with prompt_tokens, prefill_s and tpot_s")
+    pa, pb = _nonneg_line([r["prompt_tokens"] for r in pre], [r["prefill_s"] for r in pre])
+    batched = [r for r in dec if _num(r, "batch")]
+    if len({r["batch"] for r in batched}) >= 2:
+        da, db = _nonneg_line([r["batch"] for r in batched], [r["tpot_s"] for r in batched])
+    else:
+        da, db = median(r["tpot_s"] for r in dec), 0.0
+    over = [r["ttft_s"] - r["prefill_s"] - (r.get("queue_s") or 0.0)
+            for r in pre if _num(r, "ttft_s")]
+    return Profile(pa, pb, da, db, max(median(over), 0.0) if over else 0.0)
+
+
+def load_rows(paths: list[str | Path]) -> list[dict]:
+    """The request rows of every run in bench result files, each tagged with its run's `batch`.
+
+    batch ≈ Σ decode_s of the run's ok requests / run duration / decode workers: by Little's law
+    the time-average number of sequences decoding on one worker. Idle time pulls that below the
+    batch a running step sees, hence the clip at 1. Runs without `duration` or
+    `num_decode_workers` (run-level or top-level) get none; a row's own `batch` wins.
+    """
+    rows: list[dict] = []
+    for path in paths:
+        data = json.loads(Path(path).read_text())
+        for run in data.get("runs") or [data]:
+            reqs, dur = run.get("requests") or [], run.get("duration")
+            nd = run.get("num_decode_workers") or data.get("num_decode_workers")
+            busy = sum(r["decode_s"] for r in reqs if r.get("ok", True) and _num(r, "decode_s"))
+            batch = max(busy / dur / nd, 1.0) if dur and nd else None
+            rows.extend({"batch": batch, **r} for r in reqs)
+    return rows
+
+
+def load_profile_from_results(paths: list[str | Path]) -> Profile:
+    return fit_profile(load_rows(paths))
+
+
+@dataclass(frozen=True)
+class Latency:
+    """Mean and percentiles of one metric over the simulated requests, in ms."""
+
+    mean: float
+    p50: float
+    p90: float
+    p99: float
+
+    @classmethod
+    def of(cls, seconds: list[float]) -> Latency:
+        xs = [x * 1e3 for x in seconds if not math.isnan(x)]
+        if not xs:
+            return cls(math.nan, math.nan, math.nan, math.nan)
+        q = quantiles(xs * 2 if len(xs) == 1 else xs, n=100, method="inclusive")  # = numpy's
+        return cls(sum(xs) / len(xs), q[49], q[89], q[98])
+
+
+@dataclass(frozen=True)
+class SimResult:
+    """Predicted latencies of one config at one rate: P/D disaggregated, or K colocated."""
+
+    num_prefill: int
+    num_decode: int
+    num_colocated: int
+    rate: float
+    num_requests: int
+    attainment: float  # fraction meeting every SLO target that is set
+    ttft_ms: Latency
+    tpot_ms: Latency  # over requests with > 1 output token
+    e2el_ms: Latency
+    duration_s: float  # first arrival to last token
+
+    @property
+    def workers(self) -> int:
+        return self.num_prefill + self.num_decode + self.num_colocated
+
+    @property
+    def goodput_rps(self) -> float:  # requests/s served within the SLOs
+        return self.rate * self.attainment
+
+    @property
+    def label(self) -> str:
+        return f"{self.num_colocated}x colocated" if self.num_colocated else \
+            f"{self.num_prefill}P{self.num_decode}D"
+
+
+class _Worker:
+    def __init__(self, idx: int, prefill: bool, decode: bool) -> None:
+        self.idx, self.prefill, self.decode = idx, prefill, decode
+        self.queue: deque[int] = deque()  # own prefill queue (colocated only)
+        self.running: list[tuple[int, int]] = []  # heap of (finish step, rid)
+        self.pending: list[int] = []  # joined mid-step: admitted at the next step boundary
+        self.op: tuple | None = None  # ("prefill", rid) | ("decode", t0, step_s, steps)
+        self.steps = 0  # decode steps done: a sequence finishes at a known step count
+        self.version = 0  # a bump voids the scheduled DONE of an op that was cut short
+
+    def batch(self) -> int:
+        return len(self.running) + len(self.pending)
+
+    def load(self) -> int:
+        return len(self.queue) + self.batch() + (self.op is not None and self.op[0] == "prefill")
+
+
+class _Sim:
+    """The event loop. A decode op runs all steps up to the next finish as one event (the batch
+    is constant in between) and is cut back to the first step boundary when a sequence joins or,
+    colocated, a prefill arrives: a few events per request rather than one per token."""
+
+    def __init__(self, profile: Profile, workers: list[_Worker], colocated: bool,
+                 reqs: list[tuple[float, int, int]]) -> None:
+        self.p, self.w, self.colocated = profile, workers, colocated
+        self.arrive, self.prompt, self.out = (list(x) for x in zip(*reqs))
+        self.ttft, self.tpot, self.join = ([x] * len(reqs) for x in (0.0, math.nan, 0.0))
+        self.queue: deque[int] = deque()  # disaggregated: one FCFS queue feeds all prefill workers
+        self.events = [(t, i, _ARRIVE, i, 0) for i, t in enumerate(self.arrive)]  # sorted: a heap
+        self.seq = len(reqs)
+
+    def push(self, t: float, kind: int, a: int, b: int = 0) -> None:
+        self.seq += 1
+        heapq.heappush(self.events, (t, self.seq, kind, a, b))
+
+    def run(self) -> None:
+        while self.events:
+            t, _, kind, a, b = heapq.heappop(self.events)
+            if kind == _ARRIVE and self.colocated:
+                w = min(self.w, key=_Worker.load)
+                w.queue.append(a)
+                self.kick(w, t)
+            elif kind == _ARRIVE:  # the worker that frees first takes the head of the queue
+                self.queue.append(a)
+                idle = [w for w in self.w if w.prefill and w.op is None]
+                if idle:
+                    self.next_op(idle[0], t)
+            elif kind == _JOIN:
+                self.join[a] = t
+                w = min((w for w in self.w if w.decode), key=_Worker.batch)
+                w.pending.append(a)
+                self.kick(w, t)
+            elif b == self.w[a].version:
+                self.done(t, self.w[a])
+
+    def kick(self, w: _Worker, t: float) -> None:
+        """New work for w: start now if idle, else end its decode run at the next step boundary."""
+        if w.op is None:
+            self.next_op(w, t)
+        elif w.op[0] == "decode":
+            _, t0, s, k = w.op
+            m = max(1, math.ceil((t - t0) / s - 1e-9)) if s > 0 else 1
+            if m < k:
+                w.op, w.version = ("decode", t0, s, m), w.version + 1
+                self.push(t0 + m * s, _DONE, w.idx, w.version)
+
+    def next_op(self, w: _Worker, t: float) -> None:
+        for rid in w.pending:
+            heapq.heappush(w.running, (w.steps + self.out[rid] - 1, rid))
+        w.pending.clear()
+        q = w.queue if self.colocated else self.queue
+        if w.prefill and q:  # prefill first, as vLLM schedules: colocated, this is the stall
+            rid = q.popleft()
+            w.op, dt = ("prefill", rid), self.p.prefill_s(self.prompt[rid])
+        elif w.running:
+            s, k = self.p.step_s(len(w.running)), w.running[0][0] - w.steps
+            w.op, dt = ("decode", t, s, k), k * s
+        else:
+            w.op = None
+            return
+        w.version += 1
+        self.push(t + dt, _DONE, w.idx, w.version)
+
+    def done(self, t: float, w: _Worker) -> None:
+        op, w.op = w.op, None
+        if op[0] == "prefill":
+            rid = op[1]
+            self.ttft[rid] = t - self.arrive[rid] + self.p.overhead_s
+            if self.out[rid] > 1 and self.colocated:  # the KV stays on this worker
+                self.join[rid] = t
+                w.pending.append(rid)
+            elif self.out[rid] > 1:  # decoding starts once the KV has crossed (in the overhead)
+                self.push(t + self.p.overhead_s, _JOIN, rid)
+        else:
+            w.steps += op[3]
+            while w.running and w.running[0][0] <= w.steps:
+                _, rid = heapq.heappop(w.running)
+                self.tpot[rid] = (t - self.join[rid]) / (self.out[rid] - 1)
+        self.next_op(w, t)
+
+
+def simulate(profile: Profile, num_prefill: int, num_decode: int, rate: float,
+             workload: list[tuple[int, int]], slo: Any = None, seed: int = 0,
+             num_requests: int = 2000, num_colocated: int = 0) -> SimResult:
+    """Predict one config: num_prefill P + num_decode D workers, or (P = D = 0) num_colocated K.
+
+    Poisson arrivals at `rate`; (prompt_tokens, output_tokens) drawn with replacement from
+    `workload`; a seed gives every config the same requests, so configs compare fairly. TPOT is
+    (last token - decode join) / (output - 1): the mean step time seen, including the wait for
+    the step in flight. `slo`: anything with ttft_ms / tpot_ms / e2el_ms, e.g. bench.metrics.SLO.
+    """
+    colocated = num_colocated > 0
+    if (colocated and (num_prefill or num_decode)) or (not colocated and min(num_prefill,
+                                                                             num_decode) < 1):
+        raise ValueError("need num_prefill, num_decode >= 1, or only num_colocated >= 1")
+    if not (rate > 0 and workload and num_requests > 0):
+        raise ValueError("need rate > 0, a non-empty workload and num_requests > 0")
+    rng, t, reqs = random.Random(seed), 0.0, []
+    for _ in range(num_requests):
+        t += rng.expovariate(rate)
+        p, o = workload[rng.randrange(len(workload))]
+        reqs.append((t, max(int(p), 1), max(int(o), 1)))
+    workers = ([_Worker(i, True, True) for i in range(num_colocated)] if colocated else
+               [_Worker(i, i < num_prefill, i >= num_prefill)
+                for i in range(num_prefill + num_decode)])
+    sim = _Sim(profile, workers, colocated, reqs)
+    sim.run()
+    ttft, tpot = sim.ttft, sim.tpot
+    e2e = [a + (o - 1) * b if o > 1 else a for a, b, (_, _, o) in zip(ttft, tpot, reqs)]
+    limits = [(getattr(slo, k, None), xs)
+              for k, xs in (("ttft_ms", ttft), ("tpot_ms", tpot), ("e2el_ms", e2e))]
+    good = sum(all(lim is None or math.isnan(xs[i]) or xs[i] * 1e3 <= lim for lim, xs in limits)
+               for i in range(num_requests))
+    end = max(a + e for (a, _, _), e in zip(reqs, e2e))
+    return SimResult(num_prefill, num_decode, num_colocated, rate, num_requests,
+                     good / num_requests, Latency.of(ttft), Latency.of(tpot), Latency.of(e2e),
+                     end - reqs[0][0])
+
+
+def _order(r: SimResult) -> tuple:
+    return (r.workers, -r.attainment, r.ttft_ms.p90)
+
+
+def recommend(profile: Profile, rate: float, workload: list[tuple[int, int]], slo: Any,
+              target: float = 0.9, max_workers: int = 8, seed: int = 0,
+              num_requests: int = 2000) -> list[SimResult]:
+    """Every P + D <= max_workers and K <= max_workers, fewest workers then best attainment
+    first; the recommendation is `cheapest(rows, target)`, the first to reach the target."""
+    configs = [(p, n - p, 0) for n in range(2, max_workers + 1) for p in range(1, n)]
+    configs += [(0, 0, k) for k in range(1, max_workers + 1)]
+    return sorted((simulate(profile, p, d, rate, workload, slo, seed, num_requests, k)
+                   for p, d, k in configs), key=_order)
+
+
+def cheapest(rows: list[SimResult], target: float = 0.9) -> SimResult | None:
+    return min((r for r in rows if r.attainment >= target), key=_order, default=None)
+
+
+def assumptions() -> list[str]:
+    return [
+        "Poisson arrivals; request lengths drawn i.i.d. from the workload; N requests from an "
+        "empty system (above capacity, queues and so attainment depend on N).",
+        "Prefill: one request at a time per prefill worker, FCFS from a shared queue (the worker "
+        "that frees first takes the next). Chunked prefill on a compute-bound worker only shares "
+        "it between prompts, so serial service has the same throughput.",
+        "Prefill time is linear in prompt length: no quadratic attention term, no prefix-cache hits.",
+        "Decode: continuous batching; a sequence joins the decode worker with the fewest sequences "
+        "at its next step boundary; step = base + per_seq * batch; no KV-memory limit, batch cap "
+        "or preemption.",
+        "A fixed per-request overhead (router, network, KV transfer) is added once, to TTFT; the "
+        "KV transfer takes no worker compute.",
+        "Colocated: a worker runs queued prefills before decode steps (vLLM's priority) and each "
+        "prefill stalls its decode batch for its whole duration. Chunked prefill spreads the "
+        "same stall over several steps: similar mean TPOT, smaller worst-case ITL.",
+        "Colocated workers have the per-worker profile measured disaggregated; a request goes to "
+        "the worker with the fewest queued + running requests.",
+        "The profile holds for the model, hardware and parallelism it was measured on; the "
+        "measured decode batch is a Little's-law estimate per run.",
+    ]
+
+
+def _workload(rows: list[dict], input_len: int | None,
+              output_len: int | None) -> list[tuple[int, int]]:
+    ok = [r for r in rows if r.get("ok", True) and _num(r, "prompt_tokens")
+          and _num(r, "output_tokens")]
+    if input_len is not None and output_len is not None:
+        return [(input_len, output_len)]
+    if not ok:
+        raise ValueError("no request rows to take the workload from: give --input-len and "
+                         "--output-len")
+    return [(input_len or r["prompt_tokens"], output_len or r["output_tokens"]) for r in ok]
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--profile", nargs="+", metavar="RESULT.json",
+                     help="bench result JSONs to fit the profile (and take the workload) from")
+    src.add_argument("--profile-json", metavar="PROFILE.json", help="a saved profile")
+    p.add_argument("--rate", type=float, required=True, help="offered load, req/s")
+    p.add_argument("--slo", required=True, help="ttft=MS,tpot=MS[,e2el=MS]")
+    p.add_argument("--input-len", type=int, help="fixed prompt tokens (default: the runs')")
+    p.add_argument("--output-len", type=int, help="fixed output tokens (default: the runs')")
+    p.add_argument("--target", type=float, default=0.9, help="SLO attainment to reach")
+    p.add_argument("--max-workers", type=int, default=8)
+    p.add_argument("--num-requests", type=int, default=2000, help="simulated per config")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-profile", metavar="FILE", help="write the fitted profile as JSON")
+
+
+def main(a: argparse.Namespace) -> int:
+    import sys
+
+    from bench.metrics import SLO
+
+    try:
+        rows = load_rows(a.profile) if a.profile else []
+        profile = (Profile.from_dict(json.loads(Path(a.profile_json).read_text()))
+                   if a.profile_json else fit_profile(rows))
+        workload, slo = _workload(rows, a.input_len, a.output_len), SLO.parse(a.slo)
+    except (OSError, KeyError, ValueError) as e:
+        print(f"splitserve plan: {e}", file=sys.stderr)
+        return 2
+    if a.save_profile:
+        Path(a.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
+    print(f"profile: {profile}\nassumptions:")
+    print("\n".join(f"  - {line}" for line in assumptions()))
+    rows_out = recommend(profile, a.rate, workload, slo, a.target, a.max_workers, a.seed,
+                         a.num_requests)
+    print(f"\n{a.rate:g} req/s, SLO {slo}, {len(workload)} request shapes, "
+          f"{a.num_requests} simulated requests per config")
+    print(f"{'config':<14}{'workers':>8}{'attain':>9}{'p90 TTFT ms':>13}{'p90 TPOT ms':>13}")
+    for r in rows_out:
+        print(f"{r.label:<14}{r.workers:>8}{r.attainment:>9.1%}{r.ttft_ms.p90:>13.1f}"
+              f"{r.tpot_ms.p90:>13.2f}")
+    best = cheapest(rows_out, a.target)
+    print(f"recommendation: none of the configs up to {a.max_workers} workers reaches "
+          f"{a.target:.0%} attainment at {a.rate:g} req/s" if best is None else
+          f"recommendation: {best.label} ({best.workers} workers): {best.attainment:.1%} "
+          f"attainment, p90 TTFT {best.ttft_ms.p90:.1f} ms, p90 TPOT {best.tpot_ms.p90:.2f} "
+          f"ms, {best.goodput_rps / best.workers:.3g} req/s per worker within SLO")
+    return 0
