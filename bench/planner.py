@@ -2,8 +2,8 @@
 
 Lifecycle: bench result JSONs (runs[*].requests) → `load_rows` tags each request row with the
 decode batch its run saw → `fit_profile` fits a linear per-worker `Profile` → `simulate` replays
-Poisson arrivals through a discrete-event model of P prefill + D decode workers, or of K colocated
-workers → `recommend` runs every config up to `max_workers` → `cheapest` is the fewest workers that
+Poisson arrivals through a discrete-event model of P prefill + D decode workers, or K colocated
+ones → `recommend` runs every config up to `max_workers` → `cheapest` is the fewest workers that
 reach the SLO attainment target. A plan is only as good as `assumptions()`: the CLI prints them.
 """
 
@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import argparse
 import heapq
+import itertools
 import json
 import math
 import random
+import sys
 from collections import deque
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
@@ -28,9 +30,9 @@ class Profile:
     """Service times of one worker, in seconds."""
 
     prefill_base_s: float
-    prefill_per_token_s: float  # one prefill of P prompt tokens: base + per_token * P
+    prefill_per_token_s: float  # a prefill of P prompt tokens: base + per_token * P
     decode_base_s: float
-    decode_per_seq_s: float  # one decode step with b running sequences: base + per_seq * b
+    decode_per_seq_s: float  # a decode step over b running sequences: base + per_seq * b
     overhead_s: float  # once per request: router, network, KV transfer
 
     def prefill_s(self, prompt_tokens: int) -> float:
@@ -46,39 +48,27 @@ class Profile:
     def from_dict(cls, d: dict[str, Any]) -> Profile:
         return cls(**{f.name: float(d[f.name]) for f in fields(cls)})
 
-    def __str__(self) -> str:
-        return (f"prefill {self.prefill_base_s * 1e3:.2f} ms + {self.prefill_per_token_s * 1e3:.4f}"
-                f" ms/token | decode step {self.decode_base_s * 1e3:.2f} ms + "
-                f"{self.decode_per_seq_s * 1e3:.3f} ms/seq | overhead {self.overhead_s * 1e3:.2f} ms")
-
 
 def _num(row: dict, key: str) -> bool:
-    v = row.get(key)
-    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+    return isinstance(v := row.get(key), (int, float)) and math.isfinite(v)
 
 
 def _nonneg_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
-    """Least-squares y = a + b*x with a, b >= 0: a negative time has no physical meaning."""
+    """Least-squares y = a + b*x, clipped to a, b >= 0: a negative time has no meaning."""
     mx, my = sum(xs) / len(xs), sum(ys) / len(ys)
     sxx = sum((x - mx) ** 2 for x in xs)
     b = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx > 0 else 0.0
     if b < 0:  # noise, or a single x: the mean is the honest estimate
         return max(my, 0.0), 0.0
-    if my - b * mx < 0:  # negative intercept: refit through the origin
-        sxx0 = sum(x * x for x in xs)
-        return 0.0, (sum(x * y for x, y in zip(xs, ys)) / sxx0 if sxx0 else 0.0)
-    return my - b * mx, b
+    return max(my - b * mx, 0.0), b
 
 
 def fit_profile(rows: list[dict]) -> Profile:
-    """A `Profile` from per-request rows (a bench result's `requests`; failed rows are skipped).
-
-    prefill: least squares of prefill_s on prompt_tokens. decode: a row's tpot_s is the mean step
-    time it saw; rows carrying `batch` (sequences decoding per decode worker, see `load_rows`) fit
-    tpot_s = base + per_seq * batch when >= 2 distinct batches exist; otherwise per_seq = 0 and
-    base = median tpot_s, which folds the batch effect into base (valid near the measured load).
-    overhead: median(ttft_s - prefill_s - queue_s), at least 0.
-    """
+    """A `Profile` from per-request rows (bench result `requests`; failed ones are skipped).
+    prefill: least squares of prefill_s on prompt_tokens. decode: tpot_s is the mean step time a
+    request saw; rows with a `batch` (sequences decoding per decode worker, see `load_rows`) fit
+    tpot_s = base + per_seq * batch if >= 2 distinct batches exist, else per_seq = 0 and base =
+    median tpot_s (valid near the measured load only). overhead: median(ttft - prefill - queue)."""
     ok = [r for r in rows if r.get("ok", True)]
     pre = [r for r in ok if _num(r, "prefill_s") and _num(r, "prompt_tokens")]
     dec = [r for r in ok if _num(r, "tpot_s") and (r.get("output_tokens") or 0) > 1]
@@ -96,13 +86,10 @@ def fit_profile(rows: list[dict]) -> Profile:
 
 
 def load_rows(paths: list[str | Path]) -> list[dict]:
-    """The request rows of every run in bench result files, each tagged with its run's `batch`.
-
-    batch ≈ Σ decode_s of the run's ok requests / run duration / decode workers: by Little's law
-    the time-average number of sequences decoding on one worker. Idle time pulls that below the
-    batch a running step sees, hence the clip at 1. Runs without `duration` or
-    `num_decode_workers` (run-level or top-level) get none; a row's own `batch` wins.
-    """
+    """The request rows of all runs in bench result files, each tagged with its run's `batch` ≈
+    Σ decode_s of ok requests / run duration / num_decode_workers: by Little's law the mean number
+    of sequences decoding on one worker. Idle time pulls that below what a running step sees, so
+    it is clipped at 1; a run without duration or num_decode_workers gets no batch."""
     rows: list[dict] = []
     for path in paths:
         data = json.loads(Path(path).read_text())
@@ -111,7 +98,7 @@ def load_rows(paths: list[str | Path]) -> list[dict]:
             nd = run.get("num_decode_workers") or data.get("num_decode_workers")
             busy = sum(r["decode_s"] for r in reqs if r.get("ok", True) and _num(r, "decode_s"))
             batch = max(busy / dur / nd, 1.0) if dur and nd else None
-            rows.extend({"batch": batch, **r} for r in reqs)
+            rows.extend({"batch": batch, **r} for r in reqs)  # a row's own batch wins
     return rows
 
 
@@ -130,11 +117,10 @@ class Latency:
 
     @classmethod
     def of(cls, seconds: list[float]) -> Latency:
-        xs = [x * 1e3 for x in seconds if not math.isnan(x)]
-        if not xs:
-            return cls(math.nan, math.nan, math.nan, math.nan)
-        q = quantiles(xs * 2 if len(xs) == 1 else xs, n=100, method="inclusive")  # = numpy's
-        return cls(sum(xs) / len(xs), q[49], q[89], q[98])
+        xs = [x * 1e3 for x in seconds if not math.isnan(x)]  # NaN: no TPOT (1-token output)
+        q = (quantiles(xs if len(xs) > 1 else xs * 2, n=100, method="inclusive")  # = numpy's
+             if xs else [math.nan] * 99)
+        return cls(sum(xs) / len(xs) if xs else math.nan, q[49], q[89], q[98])
 
 
 @dataclass(frozen=True)
@@ -145,25 +131,20 @@ class SimResult:
     num_decode: int
     num_colocated: int
     rate: float
-    num_requests: int
-    attainment: float  # fraction meeting every SLO target that is set
+    attainment: float  # fraction of requests meeting every SLO target that is set
+    goodput_rps: float  # rate * attainment: requests/s served within the SLOs
     ttft_ms: Latency
-    tpot_ms: Latency  # over requests with > 1 output token
+    tpot_ms: Latency
     e2el_ms: Latency
-    duration_s: float  # first arrival to last token
 
     @property
     def workers(self) -> int:
         return self.num_prefill + self.num_decode + self.num_colocated
 
     @property
-    def goodput_rps(self) -> float:  # requests/s served within the SLOs
-        return self.rate * self.attainment
-
-    @property
     def label(self) -> str:
-        return f"{self.num_colocated}x colocated" if self.num_colocated else \
-            f"{self.num_prefill}P{self.num_decode}D"
+        k, p, d = self.num_colocated, self.num_prefill, self.num_decode
+        return f"{k}x colocated" if k else f"{p}P{d}D"
 
 
 class _Worker:
@@ -179,108 +160,94 @@ class _Worker:
     def batch(self) -> int:
         return len(self.running) + len(self.pending)
 
-    def load(self) -> int:
+    def load(self) -> int:  # colocated routing: queued + decoding + the prefill in progress
         return len(self.queue) + self.batch() + (self.op is not None and self.op[0] == "prefill")
 
 
-class _Sim:
-    """The event loop. A decode op runs all steps up to the next finish as one event (the batch
-    is constant in between) and is cut back to the first step boundary when a sequence joins or,
-    colocated, a prefill arrives: a few events per request rather than one per token."""
+def _run(p: Profile, ws: list[_Worker], colocated: bool,
+         reqs: list[tuple[float, int, int]]) -> tuple[list[float], list[float]]:
+    """The event loop: TTFT and TPOT per request (TPOT NaN for 1-token outputs). A decode op runs
+    all steps up to the next finish as one event (the batch is constant in between), cut back to
+    the next step boundary when work arrives: a few events per request, not one per token."""
+    arrive, prompt, out = (list(x) for x in zip(*reqs))
+    ttft, tpot, join = ([x] * len(reqs) for x in (0.0, math.nan, 0.0))
+    shared: deque[int] = deque()  # disaggregated: one FCFS queue feeds every prefill worker
+    ev = [(t, i, _ARRIVE, i, 0) for i, t in enumerate(arrive)]  # sorted, so already a heap
+    seq = itertools.count(len(ev))
 
-    def __init__(self, profile: Profile, workers: list[_Worker], colocated: bool,
-                 reqs: list[tuple[float, int, int]]) -> None:
-        self.p, self.w, self.colocated = profile, workers, colocated
-        self.arrive, self.prompt, self.out = (list(x) for x in zip(*reqs))
-        self.ttft, self.tpot, self.join = ([x] * len(reqs) for x in (0.0, math.nan, 0.0))
-        self.queue: deque[int] = deque()  # disaggregated: one FCFS queue feeds all prefill workers
-        self.events = [(t, i, _ARRIVE, i, 0) for i, t in enumerate(self.arrive)]  # sorted: a heap
-        self.seq = len(reqs)
-
-    def push(self, t: float, kind: int, a: int, b: int = 0) -> None:
-        self.seq += 1
-        heapq.heappush(self.events, (t, self.seq, kind, a, b))
-
-    def run(self) -> None:
-        while self.events:
-            t, _, kind, a, b = heapq.heappop(self.events)
-            if kind == _ARRIVE and self.colocated:
-                w = min(self.w, key=_Worker.load)
-                w.queue.append(a)
-                self.kick(w, t)
-            elif kind == _ARRIVE:  # the worker that frees first takes the head of the queue
-                self.queue.append(a)
-                idle = [w for w in self.w if w.prefill and w.op is None]
-                if idle:
-                    self.next_op(idle[0], t)
-            elif kind == _JOIN:
-                self.join[a] = t
-                w = min((w for w in self.w if w.decode), key=_Worker.batch)
-                w.pending.append(a)
-                self.kick(w, t)
-            elif b == self.w[a].version:
-                self.done(t, self.w[a])
-
-    def kick(self, w: _Worker, t: float) -> None:
-        """New work for w: start now if idle, else end its decode run at the next step boundary."""
-        if w.op is None:
-            self.next_op(w, t)
-        elif w.op[0] == "decode":
-            _, t0, s, k = w.op
-            m = max(1, math.ceil((t - t0) / s - 1e-9)) if s > 0 else 1
-            if m < k:
-                w.op, w.version = ("decode", t0, s, m), w.version + 1
-                self.push(t0 + m * s, _DONE, w.idx, w.version)
-
-    def next_op(self, w: _Worker, t: float) -> None:
+    def start(w: _Worker, t: float) -> None:
         for rid in w.pending:
-            heapq.heappush(w.running, (w.steps + self.out[rid] - 1, rid))
+            heapq.heappush(w.running, (w.steps + out[rid] - 1, rid))
         w.pending.clear()
-        q = w.queue if self.colocated else self.queue
+        q = w.queue if colocated else shared
         if w.prefill and q:  # prefill first, as vLLM schedules: colocated, this is the stall
             rid = q.popleft()
-            w.op, dt = ("prefill", rid), self.p.prefill_s(self.prompt[rid])
+            w.op, dt = ("prefill", rid), p.prefill_s(prompt[rid])
         elif w.running:
-            s, k = self.p.step_s(len(w.running)), w.running[0][0] - w.steps
+            s, k = p.step_s(len(w.running)), w.running[0][0] - w.steps
             w.op, dt = ("decode", t, s, k), k * s
         else:
             w.op = None
             return
         w.version += 1
-        self.push(t + dt, _DONE, w.idx, w.version)
+        heapq.heappush(ev, (t + dt, next(seq), _DONE, w.idx, w.version))
 
-    def done(self, t: float, w: _Worker) -> None:
-        op, w.op = w.op, None
-        if op[0] == "prefill":
-            rid = op[1]
-            self.ttft[rid] = t - self.arrive[rid] + self.p.overhead_s
-            if self.out[rid] > 1 and self.colocated:  # the KV stays on this worker
-                self.join[rid] = t
-                w.pending.append(rid)
-            elif self.out[rid] > 1:  # decoding starts once the KV has crossed (in the overhead)
-                self.push(t + self.p.overhead_s, _JOIN, rid)
-        else:
-            w.steps += op[3]
-            while w.running and w.running[0][0] <= w.steps:
-                _, rid = heapq.heappop(w.running)
-                self.tpot[rid] = (t - self.join[rid]) / (self.out[rid] - 1)
-        self.next_op(w, t)
+    def kick(w: _Worker, t: float) -> None:
+        """New work for w: start now if idle, else end its decode run at the next step boundary."""
+        if w.op is None:
+            start(w, t)
+        elif w.op[0] == "decode":
+            _, t0, s, k = w.op
+            m = max(1, math.ceil((t - t0) / s - 1e-9)) if s > 0 else 1
+            if m < k:
+                w.op, w.version = ("decode", t0, s, m), w.version + 1
+                heapq.heappush(ev, (t0 + m * s, next(seq), _DONE, w.idx, w.version))
+
+    while ev:
+        t, _, kind, a, b = heapq.heappop(ev)
+        if kind == _ARRIVE and colocated:
+            w = min(ws, key=_Worker.load)
+            w.queue.append(a)
+            kick(w, t)
+        elif kind == _ARRIVE:  # the prefill worker that frees first takes the queue's head
+            shared.append(a)
+            idle = [w for w in ws if w.prefill and w.op is None]
+            if idle:
+                start(idle[0], t)
+        elif kind == _JOIN:
+            join[a], w = t, min((w for w in ws if w.decode), key=_Worker.batch)
+            w.pending.append(a)
+            kick(w, t)
+        elif b == ws[a].version:  # else the op was cut short and rescheduled
+            w = ws[a]
+            op, w.op = w.op, None
+            if op[0] == "decode":
+                w.steps += op[3]
+                while w.running and w.running[0][0] <= w.steps:
+                    _, rid = heapq.heappop(w.running)
+                    tpot[rid] = (t - join[rid]) / (out[rid] - 1)
+            else:
+                rid = op[1]
+                ttft[rid] = t - arrive[rid] + p.overhead_s
+                if out[rid] > 1 and colocated:  # the KV stays on this worker
+                    join[rid] = t
+                    w.pending.append(rid)
+                elif out[rid] > 1:  # decoding starts once the KV has crossed (in the overhead)
+                    heapq.heappush(ev, (t + p.overhead_s, next(seq), _JOIN, rid, 0))
+            start(w, t)
+    return ttft, tpot
 
 
 def simulate(profile: Profile, num_prefill: int, num_decode: int, rate: float,
              workload: list[tuple[int, int]], slo: Any = None, seed: int = 0,
              num_requests: int = 2000, num_colocated: int = 0) -> SimResult:
-    """Predict one config: num_prefill P + num_decode D workers, or (P = D = 0) num_colocated K.
-
-    Poisson arrivals at `rate`; (prompt_tokens, output_tokens) drawn with replacement from
-    `workload`; a seed gives every config the same requests, so configs compare fairly. TPOT is
-    (last token - decode join) / (output - 1): the mean step time seen, including the wait for
-    the step in flight. `slo`: anything with ttft_ms / tpot_ms / e2el_ms, e.g. bench.metrics.SLO.
-    """
+    """Predict num_prefill P + num_decode D workers, or (P = D = 0) num_colocated K, at Poisson
+    `rate` with (prompt, output) tokens drawn from `workload`; a seed gives every config the same
+    requests. TPOT = (last token - decode join) / (output - 1): the mean step time seen, with the
+    wait for the step in flight. `slo`: ttft_ms / tpot_ms / e2el_ms, e.g. bench.metrics.SLO."""
     colocated = num_colocated > 0
-    if (colocated and (num_prefill or num_decode)) or (not colocated and min(num_prefill,
-                                                                             num_decode) < 1):
-        raise ValueError("need num_prefill, num_decode >= 1, or only num_colocated >= 1")
+    if (num_prefill or num_decode) if colocated else min(num_prefill, num_decode) < 1:
+        raise ValueError("give num_prefill, num_decode >= 1, or only num_colocated >= 1")
     if not (rate > 0 and workload and num_requests > 0):
         raise ValueError("need rate > 0, a non-empty workload and num_requests > 0")
     rng, t, reqs = random.Random(seed), 0.0, []
@@ -288,75 +255,50 @@ def simulate(profile: Profile, num_prefill: int, num_decode: int, rate: float,
         t += rng.expovariate(rate)
         p, o = workload[rng.randrange(len(workload))]
         reqs.append((t, max(int(p), 1), max(int(o), 1)))
-    workers = ([_Worker(i, True, True) for i in range(num_colocated)] if colocated else
-               [_Worker(i, i < num_prefill, i >= num_prefill)
-                for i in range(num_prefill + num_decode)])
-    sim = _Sim(profile, workers, colocated, reqs)
-    sim.run()
-    ttft, tpot = sim.ttft, sim.tpot
+    ws = ([_Worker(i, True, True) for i in range(num_colocated)] if colocated else
+          [_Worker(i, i < num_prefill, i >= num_prefill) for i in range(num_prefill + num_decode)])
+    ttft, tpot = _run(profile, ws, colocated, reqs)
     e2e = [a + (o - 1) * b if o > 1 else a for a, b, (_, _, o) in zip(ttft, tpot, reqs)]
     limits = [(getattr(slo, k, None), xs)
               for k, xs in (("ttft_ms", ttft), ("tpot_ms", tpot), ("e2el_ms", e2e))]
     good = sum(all(lim is None or math.isnan(xs[i]) or xs[i] * 1e3 <= lim for lim, xs in limits)
-               for i in range(num_requests))
-    end = max(a + e for (a, _, _), e in zip(reqs, e2e))
-    return SimResult(num_prefill, num_decode, num_colocated, rate, num_requests,
-                     good / num_requests, Latency.of(ttft), Latency.of(tpot), Latency.of(e2e),
-                     end - reqs[0][0])
-
-
-def _order(r: SimResult) -> tuple:
-    return (r.workers, -r.attainment, r.ttft_ms.p90)
+               for i in range(num_requests)) / num_requests
+    return SimResult(num_prefill, num_decode, num_colocated, rate, good, rate * good,
+                     Latency.of(ttft), Latency.of(tpot), Latency.of(e2e))
 
 
 def recommend(profile: Profile, rate: float, workload: list[tuple[int, int]], slo: Any,
               target: float = 0.9, max_workers: int = 8, seed: int = 0,
               num_requests: int = 2000) -> list[SimResult]:
     """Every P + D <= max_workers and K <= max_workers, fewest workers then best attainment
-    first; the recommendation is `cheapest(rows, target)`, the first to reach the target."""
+    first; the recommendation is `cheapest(rows, target)`, the first that reaches it."""
     configs = [(p, n - p, 0) for n in range(2, max_workers + 1) for p in range(1, n)]
     configs += [(0, 0, k) for k in range(1, max_workers + 1)]
     return sorted((simulate(profile, p, d, rate, workload, slo, seed, num_requests, k)
-                   for p, d, k in configs), key=_order)
+                   for p, d, k in configs), key=lambda r: (r.workers, -r.attainment))
 
 
 def cheapest(rows: list[SimResult], target: float = 0.9) -> SimResult | None:
-    return min((r for r in rows if r.attainment >= target), key=_order, default=None)
+    ok = [r for r in rows if r.attainment >= target]
+    return min(ok, key=lambda r: (r.workers, -r.attainment)) if ok else None
 
 
 def assumptions() -> list[str]:
     return [
-        "Poisson arrivals; request lengths drawn i.i.d. from the workload; N requests from an "
-        "empty system (above capacity, queues and so attainment depend on N).",
-        "Prefill: one request at a time per prefill worker, FCFS from a shared queue (the worker "
-        "that frees first takes the next). Chunked prefill on a compute-bound worker only shares "
-        "it between prompts, so serial service has the same throughput.",
-        "Prefill time is linear in prompt length: no quadratic attention term, no prefix-cache hits.",
-        "Decode: continuous batching; a sequence joins the decode worker with the fewest sequences "
-        "at its next step boundary; step = base + per_seq * batch; no KV-memory limit, batch cap "
-        "or preemption.",
-        "A fixed per-request overhead (router, network, KV transfer) is added once, to TTFT; the "
-        "KV transfer takes no worker compute.",
-        "Colocated: a worker runs queued prefills before decode steps (vLLM's priority) and each "
-        "prefill stalls its decode batch for its whole duration. Chunked prefill spreads the "
-        "same stall over several steps: similar mean TPOT, smaller worst-case ITL.",
-        "Colocated workers have the per-worker profile measured disaggregated; a request goes to "
-        "the worker with the fewest queued + running requests.",
-        "The profile holds for the model, hardware and parallelism it was measured on; the "
-        "measured decode batch is a Little's-law estimate per run.",
+        "Poisson arrivals; lengths drawn i.i.d. from the workload; N requests from an empty "
+        "system (above capacity the queue, and so attainment, depends on N).",
+        "Prefill: one request at a time per prefill worker, FCFS from a shared queue. Chunked "
+        "prefill on a compute-bound worker only shares it: serial service has equal throughput.",
+        "Prefill time is linear in prompt length: no quadratic attention term, no prefix caching.",
+        "Decode: continuous batching; a sequence joins the least-loaded decode worker at its next "
+        "step boundary; step = base + per_seq * batch; no KV-memory limit, batch cap, preemption.",
+        "A fixed per-request overhead (router, network, KV transfer) is added once, to TTFT; "
+        "the KV transfer takes no worker compute.",
+        "Colocated: a worker runs queued prefills before decode steps (vLLM's priority) and a "
+        "prefill stalls its decode batch for its whole duration; chunked prefill spreads that "
+        "stall over steps (similar mean TPOT, smaller worst ITL). Same per-worker profile.",
+        "The profile holds for the model, hardware and parallelism it was measured on.",
     ]
-
-
-def _workload(rows: list[dict], input_len: int | None,
-              output_len: int | None) -> list[tuple[int, int]]:
-    ok = [r for r in rows if r.get("ok", True) and _num(r, "prompt_tokens")
-          and _num(r, "output_tokens")]
-    if input_len is not None and output_len is not None:
-        return [(input_len, output_len)]
-    if not ok:
-        raise ValueError("no request rows to take the workload from: give --input-len and "
-                         "--output-len")
-    return [(input_len or r["prompt_tokens"], output_len or r["output_tokens"]) for r in ok]
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -376,34 +318,35 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def main(a: argparse.Namespace) -> int:
-    import sys
-
     from bench.metrics import SLO
 
     try:
-        rows = load_rows(a.profile) if a.profile else []
+        rows = [r for r in load_rows(a.profile or []) if r.get("ok", True)]
         profile = (Profile.from_dict(json.loads(Path(a.profile_json).read_text()))
                    if a.profile_json else fit_profile(rows))
-        workload, slo = _workload(rows, a.input_len, a.output_len), SLO.parse(a.slo)
+        workload = [(a.input_len or r["prompt_tokens"], a.output_len or r["output_tokens"])
+                    for r in ([{}] if a.input_len and a.output_len else rows)]
+        if not workload:
+            raise ValueError("no request rows to take the workload from: give --input-len and "
+                             "--output-len")
+        slo = SLO.parse(a.slo)
     except (OSError, KeyError, ValueError) as e:
         print(f"splitserve plan: {e}", file=sys.stderr)
         return 2
     if a.save_profile:
         Path(a.save_profile).write_text(json.dumps(profile.to_dict(), indent=2) + "\n")
-    print(f"profile: {profile}\nassumptions:")
-    print("\n".join(f"  - {line}" for line in assumptions()))
+    print("profile: " + ", ".join(f"{k} {v * 1e3:.4g} ms" for k, v in profile.to_dict().items()))
+    print("assumptions:\n" + "\n".join(f"  - {line}" for line in assumptions()))
     rows_out = recommend(profile, a.rate, workload, slo, a.target, a.max_workers, a.seed,
                          a.num_requests)
-    print(f"\n{a.rate:g} req/s, SLO {slo}, {len(workload)} request shapes, "
-          f"{a.num_requests} simulated requests per config")
-    print(f"{'config':<14}{'workers':>8}{'attain':>9}{'p90 TTFT ms':>13}{'p90 TPOT ms':>13}")
+    print(f"\n{a.rate:g} req/s, SLO {slo}, {len(workload)} request shapes\n"
+          f"{'config':<14}{'workers':>8}{'attain':>9}{'p90 TTFT ms':>13}{'p90 TPOT ms':>13}")
     for r in rows_out:
         print(f"{r.label:<14}{r.workers:>8}{r.attainment:>9.1%}{r.ttft_ms.p90:>13.1f}"
               f"{r.tpot_ms.p90:>13.2f}")
     best = cheapest(rows_out, a.target)
-    print(f"recommendation: none of the configs up to {a.max_workers} workers reaches "
-          f"{a.target:.0%} attainment at {a.rate:g} req/s" if best is None else
-          f"recommendation: {best.label} ({best.workers} workers): {best.attainment:.1%} "
-          f"attainment, p90 TTFT {best.ttft_ms.p90:.1f} ms, p90 TPOT {best.tpot_ms.p90:.2f} "
-          f"ms, {best.goodput_rps / best.workers:.3g} req/s per worker within SLO")
+    print(f"recommendation: none up to {a.max_workers} workers reaches {a.target:.0%} attainment"
+          if best is None else f"recommendation: {best.label} ({best.workers} workers): "
+          f"{best.attainment:.1%} attainment, p90 TTFT {best.ttft_ms.p90:.1f} ms, p90 TPOT "
+          f"{best.tpot_ms.p90:.2f} ms, {best.goodput_rps / best.workers:.3g} good req/s/worker")
     return 0

@@ -124,9 +124,13 @@ async def bench(a: argparse.Namespace) -> dict:
               else GrpcTarget(a.router, a.model_name))
     runs, per_rate = [], {}
     try:
-        warm = await target.send(RequestSpec(specs[0].prompt_ids, specs[0].prompt_text, 2))
-        if not warm.ok:
-            raise RuntimeError(f"warm-up request failed: {warm.error}")
+        # Warm up every path a measured request will take (first long prefill, first pull,
+        # first decode batch): one-time costs would otherwise land on the first rate.
+        longest = max(specs, key=lambda s: s.prompt_len)
+        for spec in (longest, specs[0], specs[-1]):
+            warm = await target.send(RequestSpec(spec.prompt_ids, spec.prompt_text, 4))
+            if not warm.ok:
+                raise RuntimeError(f"warm-up request failed: {warm.error}")
         for rate in _rates(a.rate):
             arrivals = (None if a.concurrency else
                         arrival_times(len(specs), rate, a.arrival, a.burstiness, a.seed))

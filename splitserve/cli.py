@@ -4,6 +4,7 @@
   router      the router alone          prefill / decode / colocated   one worker each
   generate    stream a completion from a router
   bench       SLO-driven load test (goodput, attainment, plots)
+  plan        recommend prefill:decode worker counts from bench results
   generate-local   one in-process engine, no cluster
   make-tiny-model  write the embedded default model
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
@@ -124,6 +125,12 @@ def _bench(a: argparse.Namespace) -> int:
     return main(a)
 
 
+def _plan(a: argparse.Namespace) -> int:
+    from bench.planner import main
+
+    return main(a)
+
+
 def _make_tiny_model(a: argparse.Namespace) -> int:
     from splitserve.tiny_model import write_model
 
@@ -217,6 +224,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_arguments(b)
     b.set_defaults(func=_bench)
+
+    pl = sub.add_parser("plan", help="recommend prefill:decode counts from measured profiles")
+    from bench.planner import add_arguments as plan_arguments
+
+    plan_arguments(pl)
+    pl.set_defaults(func=_plan)
 
     m = sub.add_parser("make-tiny-model", help="write the embedded default model to DIR")
     m.add_argument("dir")

@@ -62,6 +62,10 @@ class ConnectorSettings:
     # really travels). Off unless a deployment turns it on, so clients cannot use it.
     allow_fault_injection: bool = False
     stall_before_send_s: float = 0.0  # producer: pause mid-transfer (tests kill it there)
+    # producer: "copy" copies held blocks out and frees them at once, "blocks" keeps vLLM's
+    # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
+    # (device memory is the scarce thing there).
+    hold: str = "auto"
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
@@ -70,6 +74,8 @@ class ConnectorSettings:
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys: {sorted(unknown)}")
         s = cls(**extra)
+        if s.hold not in ("auto", "copy", "blocks"):
+            raise ValueError(f"hold must be auto, copy or blocks, got {s.hold!r}")
         if s.secret is None and os.environ.get("SPLITSERVE_KV_SECRET"):
             s = cls(**{**extra, "secret": os.environ["SPLITSERVE_KV_SECRET"]})
         return s
@@ -218,8 +224,11 @@ class SplitServeConnector(KVConnectorBase_V1):
         spec = spec_from_caches(str(model), self.block_size, kv_caches)
         s = self.settings
         if self.is_producer:
+            device = next(iter(kv_caches.values())).device
+            copy_out = s.hold == "copy" or (s.hold == "auto" and device.type == "cpu")
             self.producer = Producer(self.engine_id, s.host, s.side_channel_port, s.lease_s,
-                                     s.timeout_s, s.secret, self.stats, s.stall_before_send_s)
+                                     s.timeout_s, s.secret, self.stats, s.stall_before_send_s,
+                                     copy_out=copy_out)
             self.producer.start(kv_caches, spec)
         if self.is_consumer:
             self.consumer = Consumer(self.engine_id, s.host, s.timeout_s, s.secret, self.stats)

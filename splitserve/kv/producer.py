@@ -3,6 +3,8 @@
 Lifecycle of one transfer here:
   hold(T, blocks)   the scheduler half finished request T with max_tokens=1 and kept its blocks;
                     they are now held under a lease (vLLM will not reuse them until we say so).
+                    In copy-out mode (the CPU default) their bytes are copied out right here and
+                    the blocks go back to vLLM at once; the copy is what the lease holds.
   pull(T, ids)      a consumer asks over the side channel; the blocks are gathered into the
                     pair's staging buffer, T is marked finished (the gather copied them, so vLLM
                     may free and reuse the blocks at once), then the bytes go over the pair channel.
@@ -45,12 +47,16 @@ _RECENTLY_EXPIRED = 4096
 class _Held:
     block_ids: list[int]
     expires_at: float  # time.monotonic() of this process
+    # Copy-out mode: the blocks' bytes ([L, n, H, N, words]), taken when the hold began, so vLLM
+    # got its blocks back at once (`returned`) and pulls are served from here.
+    snapshot: torch.Tensor | None = None
+    returned: bool = False  # already reported to vLLM as finished_sending
 
 
 class Producer:
     def __init__(self, engine_id: str, host: str, side_port: int, lease_s: float,
                  timeout_s: float, secret: str | None, stats: TransferStats,
-                 stall_before_send_s: float = 0.0) -> None:
+                 stall_before_send_s: float = 0.0, copy_out: bool = False) -> None:
         self.engine_id = engine_id
         self.host = host
         self.side_port = side_port
@@ -59,6 +65,7 @@ class Producer:
         self.secret = secret
         self.stats = stats
         self.stall_before_send_s = stall_before_send_s  # fault injection for kill tests only
+        self.copy_out = copy_out
         self._cond = threading.Condition()
         self._held: dict[str, _Held] = {}
         self._finished: set[str] = set()
@@ -88,25 +95,44 @@ class Producer:
 
     # -- called from the connector's worker half (engine thread) -----------------------------
     def hold(self, transfer_id: str, block_ids: list[int]) -> None:
+        held = _Held(list(block_ids), time.monotonic() + self.lease_s)
+        if self.copy_out:
+            # Copy the blocks out now and give them back to vLLM with this very step: an engine
+            # holding finished requests' blocks keeps stepping (busy) until they are freed, which
+            # on a CPU host steals the cores its own server and its neighbours need.
+            n = len(block_ids)
+            snap = torch.empty(blocks.staging_bytes(self._kv, n), dtype=torch.uint8,
+                               device=next(iter(self._kv.values())).device)
+            blocks.gather(self._kv, held.block_ids, blocks.staging_view(snap, self._kv, n))
+            held.snapshot, held.returned = snap, True
         with self._cond:
-            self._held[transfer_id] = _Held(list(block_ids), time.monotonic() + self.lease_s)
+            self._held[transfer_id] = held
+            if held.returned:
+                self._finished.add(transfer_id)
             self._cond.notify_all()
 
     def take_finished(self) -> set[str]:
         """Transfers whose blocks vLLM may free now: sent, released, or lease expired."""
-        now = time.monotonic()
         with self._cond:
-            for tid in [t for t, h in self._held.items() if h.expires_at <= now]:
-                del self._held[tid]
-                self._expired[tid] = None
-                if len(self._expired) > _RECENTLY_EXPIRED:
-                    self._expired.popitem(last=False)
-                self._finished.add(tid)
-                self.stats.record_lease_expired()
-                log.warning("KV lease expired for transfer %s after %.1f s: blocks freed unsent",
-                            tid, self.lease_s)
+            self._reap()
             done, self._finished = self._finished, set()
         return done
+
+    def _reap(self) -> None:
+        """Expire leases (caller holds the lock). Runs on engine steps, on every claim, and
+        twice a second from the accept loop: an idle engine takes no steps, and a copied-out
+        transfer must still expire (and free its memory) on time."""
+        now = time.monotonic()
+        for tid in [t for t, h in self._held.items() if h.expires_at <= now]:
+            held = self._held.pop(tid)
+            self._expired[tid] = None
+            if len(self._expired) > _RECENTLY_EXPIRED:
+                self._expired.popitem(last=False)
+            if not held.returned:
+                self._finished.add(tid)
+            self.stats.record_lease_expired()
+            log.warning("KV lease expired for transfer %s after %.1f s: blocks freed unsent",
+                            tid, self.lease_s)
 
     @property
     def num_held(self) -> int:
@@ -120,6 +146,8 @@ class Producer:
             try:
                 conn, addr = self._sock.accept()
             except TimeoutError:
+                with self._cond:
+                    self._reap()
                 continue
             except OSError:
                 return  # socket closed by shutdown()
@@ -194,9 +222,18 @@ class Producer:
             return
         t0 = time.perf_counter()
         nbytes = blocks.staging_bytes(self._kv, len(want))
-        raw = chan.staging(nbytes)
-        blocks.gather(self._kv, want, blocks.staging_view(raw, self._kv, len(want)))
-        self._release(tid)  # the gather copied the blocks: vLLM may reuse them from now on
+        if held.snapshot is not None and want == held.block_ids:
+            raw = held.snapshot  # the common case: everything, in order, already contiguous
+        elif held.snapshot is not None:
+            raw = chan.staging(nbytes)
+            pos = [held.block_ids.index(b) for b in want]
+            snap = blocks.staging_view(held.snapshot, self._kv, len(held.block_ids))
+            torch.index_select(snap, 1, torch.tensor(pos, device=snap.device),
+                               out=blocks.staging_view(raw, self._kv, len(want)))
+        else:
+            raw = chan.staging(nbytes)
+            blocks.gather(self._kv, want, blocks.staging_view(raw, self._kv, len(want)))
+        self._release(tid)  # copied (or ours): vLLM may reuse the blocks from now on
         send_msg(conn, {"ok": True, "nbytes": nbytes})
         if self.stall_before_send_s:
             time.sleep(self.stall_before_send_s)
@@ -212,6 +249,7 @@ class Producer:
         # Half the transfer timeout at most: the consumer must hear "unknown" before it gives up.
         deadline = time.monotonic() + min(REGISTER_WAIT_S, self.timeout_s / 2)
         with self._cond:
+            self._reap()
             while tid not in self._held:
                 if tid in self._expired:
                     return None, f"transfer {tid}: lease expired before the pull; blocks freed"
@@ -223,5 +261,6 @@ class Producer:
 
     def _release(self, tid: str) -> None:
         with self._cond:
-            if self._held.pop(tid, None) is not None:
+            held = self._held.pop(tid, None)
+            if held is not None and not held.returned:
                 self._finished.add(tid)

@@ -45,3 +45,35 @@ def test_short_sweep_writes_json_and_plots(cl: ProcCluster, tiny_model_dir: Path
     for png in ("attainment_vs_rate.png", "latency_cdf.png", "breakdown.png"):
         data = (tmp_path / png).read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000
+
+
+# The stated tolerance of the planner on this machine: predicted mean TTFT and mean TPOT within
+# 50% of the measured ones, plus a 5 ms floor (the tiny model's latencies are a few ms, where the
+# scheduling noise of a shared 2-core machine is of the same size).
+PLAN_REL, PLAN_ABS_MS = 0.5, 5.0
+
+
+def test_planner_agrees_with_a_measured_run(cl: ProcCluster, tiny_model_dir: Path,
+                                            tmp_path: Path) -> None:
+    from bench.metrics import SLO
+    from bench.planner import load_profile_from_results, load_rows, simulate
+
+    b = cl.by_name["B"]  # 1 prefill + 1 decode
+    common = ["--router", b.address, "--model", str(tiny_model_dir), "--input-len",
+              "uniform:32-400", "--output-len", "uniform:16-48", "--no-progress"]
+    # Profile: closed loop at concurrency 1 and 4 (two batch sizes for the decode fit).
+    for c in (1, 4):
+        asyncio.run(bench(_args(*common, "--num-prompts", "16", "--concurrency", str(c),
+                                "--seed", str(c), "--result-json", str(tmp_path / f"p{c}.json"))))
+    profile = load_profile_from_results([tmp_path / "p1.json", tmp_path / "p4.json"])
+    # Measured: open loop at a moderate Poisson rate.
+    rate = 8.0
+    out = asyncio.run(bench(_args(*common, "--num-prompts", "48", "--rate", str(rate),
+                                  "--seed", "9", "--result-json", str(tmp_path / "m.json"))))
+    measured = out["runs"][0]
+    workload = [(r["prompt_tokens"], r["output_tokens"]) for r in load_rows([tmp_path / "m.json"])]
+    sim = simulate(profile, 1, 1, rate, workload, SLO(), seed=0, num_requests=2000)
+    for name, pred in (("ttft", sim.ttft_ms.mean), ("tpot", sim.tpot_ms.mean)):
+        meas = measured[f"mean_{name}_ms"]
+        assert abs(pred - meas) <= PLAN_REL * meas + PLAN_ABS_MS, (
+            f"planner mean {name} {pred:.2f} ms vs measured {meas:.2f} ms; profile {profile}")

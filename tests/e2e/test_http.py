@@ -167,3 +167,29 @@ def test_metrics_move_by_exactly_the_requests_sent(cl: ProcCluster) -> None:
     while transfers() - t_before < n and time.monotonic() < deadline:
         time.sleep(0.2)
     assert transfers() - t_before == n
+
+
+def _readme_blocks(lang: str) -> list[str]:
+    text = (Path(__file__).resolve().parents[2] / "README.md").read_text()
+    return re.findall(rf"```{lang}\n(.*?)```", text, flags=re.S)
+
+
+def test_readme_curl_and_openai_examples_work_as_written(cl: ProcCluster) -> None:
+    """The README's examples, pointed at this cluster's router instead of 127.0.0.1:8000."""
+    import json
+    import subprocess
+    import sys
+
+    base = cl.by_name["A"].endpoints["http"]
+
+    def here(code: str) -> str:
+        return code.replace("http://127.0.0.1:8000", base).replace("tiny-seed0", _name(cl))
+
+    (curl,) = [b for b in _readme_blocks("bash") if b.startswith("curl")]
+    out = subprocess.run(["bash", "-c", here(curl)], capture_output=True, text=True, timeout=60)
+    body = json.loads(out.stdout)
+    assert body["object"] == "text_completion" and body["usage"]["completion_tokens"] >= 1
+    (py,) = _readme_blocks("python")
+    out = subprocess.run([sys.executable, "-c", here(py)], capture_output=True, text=True,
+                         timeout=60)
+    assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]

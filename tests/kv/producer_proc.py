@@ -34,7 +34,7 @@ def main() -> None:
     spec = spec_from_caches(cfg["model"], cfg["block_size"], caches)
     prod = Producer(cfg.get("engine_id", "fake-p"), "127.0.0.1", cfg["port"], cfg["lease_s"],
                     cfg["timeout_s"], cfg.get("secret"), TransferStats(),
-                    cfg.get("stall_before_send_s", 0.0))
+                    cfg.get("stall_before_send_s", 0.0), cfg.get("copy_out", False))
     prod.start(caches, spec)
     print(json.dumps({"ready": True}), flush=True)
     for line in sys.stdin:

@@ -1,7 +1,8 @@
 """The connector inside real vLLM engines (CPU, separate engine processes, real gloo).
 
 Engines, shared by the module (starting one costs ~15 s on 2 cores):
-  P   producer (prefill), short lease so the expiry test is quick
+  P   producer (prefill), short lease so the expiry test is quick; copies held blocks out
+  PB  the same, holding vLLM's blocks until pulled (the GPU default)
   D   consumer, kv_load_failure_policy "recompute", fault injection allowed
   DF  consumer, policy "fail"
   C   plain colocated engine: the reference every disaggregated output must equal
@@ -47,6 +48,8 @@ class Cluster:
         configs = {
             "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P",
                               kv_connector_config=kv),
+            "PB": EngineConfig(**base, kv_role="kv_producer", engine_id="PB",
+                               kv_connector_config={**kv, "hold": "blocks"}),
             "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
                               kv_connector_config={**kv, "allow_fault_injection": True}),
             "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
@@ -62,7 +65,7 @@ class Cluster:
         return build_engine(cfg, monitor)
 
     def __getattr__(self, name: str):
-        if name in ("P", "D", "DF", "C"):
+        if name in self.engines:
             return self.engines[name]
         raise AttributeError(name)
 
@@ -141,30 +144,40 @@ def test_kv_really_travels_corrupted_bytes_change_the_output(cluster: Cluster) -
     assert bad[1:] != want2[1:], "corrupting the pulled KV did not change the output"
 
 
-def test_unpulled_lease_expires_and_a_late_pull_recomputes(cluster: Cluster) -> None:
+@pytest.mark.parametrize("producer", ["P", "PB"])
+def test_unpulled_lease_expires_and_a_late_pull_recomputes(cluster: Cluster,
+                                                           producer: str) -> None:
     from vllm import SamplingParams
 
     (ids,) = make_prompts(Path(cluster.model), [260], seed=5)
     want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
     p = SamplingParams(temperature=0.0, max_tokens=1,
                        extra_args={"kv_transfer_params": {"do_remote_decode": True}})
-    out = cluster.run(collect(cluster.P, ids, p, "lease"))
+    prod = cluster.engines[producer]
+    out = cluster.run(collect(prod, ids, p, f"lease-{producer}"))
     held_at = time.monotonic()
     params = out.kv_transfer_params
     assert len(params["remote_block_ids"]) == 3  # 260 tokens: 2 full blocks + partial
-    mon = cluster.monitors["P"]
-    assert mon.snapshot().kv_cache_usage > 0  # held under the lease
-    cluster.run(wait_idle(mon, timeout=LEASE_S + 10))  # freed without anyone pulling
-    assert time.monotonic() - held_at >= LEASE_S - 0.5
-    assert mon.snapshot().transfers.lease_expired >= 1
+    mon = cluster.monitors[producer]
+    if producer == "PB":
+        assert mon.snapshot().kv_cache_usage > 0  # vLLM's blocks held under the lease
+    # Freed without anyone pulling: at once when copied out, at lease expiry otherwise.
+    cluster.run(wait_idle(mon, timeout=LEASE_S + 10))
+    if producer == "PB":
+        assert time.monotonic() - held_at >= LEASE_S - 0.5
+    time.sleep(max(LEASE_S + 0.5 - (time.monotonic() - held_at), 0))
     # A decode that arrives too late is refused by the producer; policy "recompute" prefills
     # locally and the answer is still right.
     failures = cluster.monitors["D"].snapshot().transfers.failures
     d = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS - 1,
                        extra_args={"kv_transfer_params": params})
-    late = cluster.run(collect(cluster.D, ids + [out.outputs[0].token_ids[0]], d, "late"))
+    late = cluster.run(collect(cluster.D, ids + [out.outputs[0].token_ids[0]], d,
+                               f"late-{producer}"))
     assert [out.outputs[0].token_ids[0], *late.outputs[0].token_ids] == want
     assert cluster.monitors["D"].snapshot().transfers.failures == failures + 1
+    # The producer counted the expiry (its stats reach us with its next engine step).
+    cluster.run(disagg_greedy(prod, cluster.D, ids[:50], 2, f"flush-{producer}"))
+    assert mon.snapshot().transfers.lease_expired >= 1
 
 
 def test_failure_policy_fail_ends_the_request_with_error(cluster: Cluster) -> None:

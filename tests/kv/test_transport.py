@@ -98,9 +98,11 @@ def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[
     raise AssertionError(f"no result for {tid} within {wait_s} s")
 
 
+@pytest.mark.parametrize("copy_out", [False, True], ids=["hold-blocks", "copy-out"])
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
-def test_pull_is_bit_exact_and_frees_the_lease(producers, consumers, dtype: str) -> None:
-    p, c = producers(dtype=dtype), consumers(dtype=dtype)
+def test_pull_is_bit_exact_and_frees_the_lease(producers, consumers, dtype: str,
+                                               copy_out: bool) -> None:
+    p, c = producers(dtype=dtype, copy_out=copy_out), consumers(dtype=dtype)
     remote, local = [3, 7, 1, 12], [10, 2, 5, 15]
     assert p.cmd(op="hold", transfer_id="t1", block_ids=[1, 3, 7, 12, 9])["ok"]
     res = pull(c, p, "t1", remote, local)
@@ -148,8 +150,10 @@ def test_wrong_secret_is_refused(producers, consumers) -> None:
     assert pull(good, p, "t1", [1], [2]).ok
 
 
-def test_lease_expiry_frees_blocks_and_refuses_a_late_pull(producers, consumers) -> None:
-    p, c = producers(lease_s=0.3), consumers()
+@pytest.mark.parametrize("copy_out", [False, True], ids=["hold-blocks", "copy-out"])
+def test_lease_expiry_frees_blocks_and_refuses_a_late_pull(producers, consumers,
+                                                           copy_out: bool) -> None:
+    p, c = producers(lease_s=0.3, copy_out=copy_out), consumers()
     p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
     time.sleep(0.5)
     state = p.cmd(op="finished")
@@ -225,3 +229,16 @@ def test_concurrent_pulls_from_one_producer_land_in_their_own_blocks(producers, 
     for remote, local in jobs.values():
         for name, want in p.expected(remote).items():
             assert torch.equal(c.caches[name][local].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_copy_out_returns_the_blocks_at_once(producers, consumers) -> None:
+    """Copy-out: vLLM gets the blocks back before anyone pulls; the pull reads the copy."""
+    p, c = producers(copy_out=True), consumers()
+    p.cmd(op="hold", transfer_id="t1", block_ids=[4, 5])
+    state = p.cmd(op="finished")
+    assert state["finished"] == ["t1"] and state["held"] == 1  # blocks back, copy still leased
+    assert pull(c, p, "t1", [4, 5], [1, 2]).ok
+    after = p.cmd(op="finished")
+    assert after["finished"] == [] and after["held"] == 0  # the copy is gone too
+    for name, want in p.expected([4, 5]).items():
+        assert torch.equal(c.caches[name][[1, 2]].view(torch.uint8), want.view(torch.uint8))
