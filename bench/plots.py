@@ -60,7 +60,7 @@ def breakdown(rows: dict[str, dict[str, float]], path: Path) -> Path:
         ax.bar(labels, values, bottom=bottom, label=part)
         bottom += values
     ax.set_ylabel("mean time per request (ms)")
-    ax.legend()
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0))
     ax.tick_params(axis="x", labelrotation=20)
     return _save(fig, path)
 

@@ -65,7 +65,7 @@ def _worker(role: str):
             kv_failure_policy=a.kv_failure_policy, cpu_cores=a.cpu_cores)
         cfg = WorkerConfig(role=role, engine=engine, host=a.host, port=a.port, router=a.router,
                            worker_id=a.worker_id, model_name=a.model_name,
-                           metrics_port=a.metrics_port)
+                           metrics_port=a.metrics_port, advertise_host=a.advertise_host)
         asyncio.run(serve(cfg, a.ready_file))
         return 0
     return run
@@ -190,7 +190,9 @@ def build_parser() -> argparse.ArgumentParser:
     for role in ("prefill", "decode", "colocated"):
         w = sub.add_parser(role, help=f"one {role} worker")
         _engine_flags(w)
-        w.add_argument("--host", default="127.0.0.1")
+        w.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
+        w.add_argument("--advertise-host", default=None,
+                       help="address the router should dial (default: --host); e.g. the pod IP")
         w.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
         w.add_argument("--router", default=None, help="router address to register with")
         w.add_argument("--worker-id", default=None)
