@@ -46,7 +46,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 resp = worker_pb2.PrefillResponse(
                     first_token_id=output.token_ids[0],
                     num_prompt_tokens=len(request.prompt_token_ids),
-                    timings=common_pb2.Timings(prefill_s=time.perf_counter() - t0))
+                    timings=_timings(final.metrics, time.perf_counter() - t0))
                 logprob = first_logprob(output)
                 if logprob is not None:
                     resp.first_token_logprob = logprob
@@ -61,3 +61,13 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
 
     async def Stats(self, request, context):
         return await self.core.stats(request, context)
+
+
+def _timings(m, rpc_s: float) -> common_pb2.Timings:
+    """Engine-side split of the prefill: waiting in vLLM's queue vs running. The planner needs
+    the running part alone (it simulates queues itself); without vLLM's per-request stats the
+    whole RPC counts as prefill."""
+    if m is None or not (m.scheduled_ts and m.first_token_ts and m.queued_ts):
+        return common_pb2.Timings(prefill_s=rpc_s)
+    return common_pb2.Timings(queue_s=max(m.scheduled_ts - m.queued_ts, 0.0),
+                              prefill_s=max(m.first_token_ts - m.scheduled_ts, 0.0))

@@ -30,6 +30,7 @@ class TokenEvent:
 @dataclass
 class FlowTimings:
     prefill_s: float = 0.0
+    worker_queue_s: float = 0.0  # waiting in the prefill engine's own queue
     transfer_s: float = 0.0
     decode_s: float = 0.0
     first_token_at: float | None = None  # time.perf_counter() when the first token arrived
@@ -67,7 +68,10 @@ async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.
             raise _failed(e, "prefill", prefill) from e
         finally:
             prefill.inflight -= 1
-        timings.prefill_s = time.perf_counter() - t0
+        # The worker splits its time into engine queue and prefill compute when it can.
+        rpc_s = time.perf_counter() - t0
+        timings.prefill_s = resp.timings.prefill_s or rpc_s
+        timings.worker_queue_s = resp.timings.queue_s
         timings.first_token_at = time.perf_counter()
         done = resp.HasField("finish_reason") or max_tokens <= 1
         logprobs = [resp.first_token_logprob] if resp.HasField("first_token_logprob") else []

@@ -233,5 +233,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=n_prompt, completion_tokens=n_out))
         now = time.perf_counter()
         chunk.timings.CopyFrom(common_pb2.Timings(
-            queue_s=queue_s, prefill_s=t.prefill_s, transfer_s=t.transfer_s, decode_s=t.decode_s,
+            queue_s=queue_s + t.worker_queue_s, prefill_s=t.prefill_s,
+            transfer_s=t.transfer_s, decode_s=t.decode_s,
             ttft_s=(t.first_token_at or now) - t0, e2e_s=now - t0))
