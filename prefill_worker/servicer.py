@@ -51,7 +51,9 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 if logprob is not None:
                     resp.first_token_logprob = logprob
                 if final.kv_transfer_params:
-                    resp.kv_transfer_params.CopyFrom(kv_params_to_proto(final.kv_transfer_params))
+                    kv = final.kv_transfer_params
+                    resp.kv_transfer_params.CopyFrom(kv_params_to_proto(kv))
+                    self.core.kv_side_channel = (str(kv["remote_host"]), int(kv["remote_port"]))
                 elif output.finish_reason != "length" or not wants_decode:
                     resp.finish_reason = finish_reason_to_proto(output.finish_reason)
                 return resp

@@ -186,6 +186,12 @@ class Producer:
         challenge = secrets.token_hex(16)
         send_msg(conn, {"op": "challenge", "challenge": challenge, "engine_id": self.engine_id})
         hello = recv_msg(conn)
+        if hello.get("op") == "status":  # counts only, no secret needed: leak checks, Stats
+            with self._cond:
+                self._reap()
+                send_msg(conn, {"ok": True, "held_transfers": len(self._held),
+                                "held_blocks": sum(len(h.block_ids) for h in self._held.values())})
+            return None
         error = None
         if self.secret and not check_proof(self.secret, challenge, str(hello.get("proof", ""))):
             error = "authentication failed: wrong or missing shared secret"
@@ -264,3 +270,12 @@ class Producer:
             held = self._held.pop(tid, None)
             if held is not None and not held.returned:
                 self._finished.add(tid)
+
+
+def query_status(host: str, port: int, timeout_s: float = 2.0) -> dict:
+    """What a producer holds right now ({"held_transfers", "held_blocks"}), over its side
+    channel. Used by the prefill worker's Stats RPC and by leak checks."""
+    with socket.create_connection((host, port), timeout=timeout_s) as sock:
+        recv_msg(sock)  # the challenge; a status query needs no answer to it
+        send_msg(sock, {"op": "status"})
+        return recv_msg(sock)

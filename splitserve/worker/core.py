@@ -6,6 +6,7 @@ DRAINING (SIGTERM: health NOT_SERVING, new requests UNAVAILABLE, in-flight ones 
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import enum
 import logging
@@ -58,6 +59,9 @@ class WorkerCore:
     phase: Phase = Phase.LOADING
     inflight: int = 0  # RPCs being served right now (prefill queue length, drain wait)
     total_kv_blocks: int = 0
+    # Prefill role: where this engine's KV producer listens (learnt from the first transfer's
+    # params), so Stats can report blocks held for decode workers (copies or vLLM blocks).
+    kv_side_channel: tuple[str, int] | None = None
 
     @contextlib.contextmanager
     def admit(self, context: grpc.aio.ServicerContext) -> Iterator[object]:
@@ -85,8 +89,22 @@ class WorkerCore:
         await self.engine.abort(request.request_id)
         return worker_pb2.AbortResponse(found=True)
 
+    async def held_kv_blocks(self) -> int:
+        if self.kv_side_channel is None:
+            return 0
+        from splitserve.kv.producer import query_status
+
+        try:
+            status = await asyncio.to_thread(query_status, *self.kv_side_channel)
+        except (OSError, ValueError) as e:
+            log.warning("cannot read the KV producer's status: %s", e)
+            return -1  # unknown, and visibly so
+        return int(status["held_blocks"])
+
     async def stats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.StatsResponse:
-        return worker_pb2.StatsResponse(load=self.load(), role=ROLES[self.cfg.role],
+        load = self.load()
+        load.held_kv_blocks = await self.held_kv_blocks()
+        return worker_pb2.StatsResponse(load=load, role=ROLES[self.cfg.role],
                                         model=self.served_model,
                                         engine_id=self.cfg.engine.engine_id or "")
 

@@ -96,7 +96,8 @@ class ProcCluster:
             return stub.Stats(worker_pb2.StatsRequest(), timeout=5)
 
     def assert_workers_idle(self, timeout_s: float = 30.0) -> None:
-        """The leak check: every live worker has nothing running and every KV block free."""
+        """The leak check: every live worker has nothing running, every KV block free, and no
+        KV held under a lease (a prefill worker's copies included)."""
         deadline = time.monotonic() + timeout_s
         for p in self.procs:
             if not p.role or p.popen.poll() is not None:
@@ -104,7 +105,8 @@ class ProcCluster:
             while True:
                 load = self.worker_stats(p).load
                 if (load.running == load.waiting == load.queue_len == 0
-                        and load.free_kv_blocks == load.total_kv_blocks):
+                        and load.free_kv_blocks == load.total_kv_blocks
+                        and load.held_kv_blocks == 0):  # no KV held for a decode worker
                     break
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{p.name} not idle (leak?): {load}")

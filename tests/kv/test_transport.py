@@ -242,3 +242,17 @@ def test_copy_out_returns_the_blocks_at_once(producers, consumers) -> None:
     assert after["finished"] == [] and after["held"] == 0  # the copy is gone too
     for name, want in p.expected([4, 5]).items():
         assert torch.equal(c.caches[name][[1, 2]].view(torch.uint8), want.view(torch.uint8))
+
+
+@pytest.mark.parametrize("copy_out", [False, True], ids=["hold-blocks", "copy-out"])
+def test_status_reports_what_is_held(producers, consumers, copy_out: bool) -> None:
+    from splitserve.kv.producer import query_status
+
+    p, c = producers(copy_out=copy_out), consumers()
+    assert query_status("127.0.0.1", p.cfg["port"]) == {"ok": True, "held_transfers": 0,
+                                                        "held_blocks": 0}
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2, 3])
+    status = query_status("127.0.0.1", p.cfg["port"])
+    assert status["held_transfers"] == 1 and status["held_blocks"] == 3
+    assert pull(c, p, "t1", [2, 3], [4, 5]).ok
+    assert query_status("127.0.0.1", p.cfg["port"])["held_blocks"] == 0
