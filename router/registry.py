@@ -26,6 +26,12 @@ ROLE_NAMES = {registry_pb2.ROLE_PREFILL: "prefill", registry_pb2.ROLE_DECODE: "d
               registry_pb2.ROLE_COLOCATED: "colocated"}
 
 
+def worker_stub(role: str, channel: grpc.aio.Channel | grpc.Channel):
+    """The internal service a worker of `role` serves (colocated workers serve DecodeWorker)."""
+    return (worker_pb2_grpc.PrefillWorkerStub(channel) if role == "prefill"
+            else worker_pb2_grpc.DecodeWorkerStub(channel))
+
+
 @dataclass(slots=True)
 class Worker:
     worker_id: str
@@ -90,9 +96,8 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
         if old is not None:
             asyncio.ensure_future(old.channel.close())
         channel = grpc.aio.insecure_channel(address)
-        stub = (worker_pb2_grpc.PrefillWorkerStub(channel) if role == "prefill"
-                else worker_pb2_grpc.DecodeWorkerStub(channel))
-        w = Worker(worker_id, role, address, model, capacity, channel, stub, time.monotonic(),
+        w = Worker(worker_id, role, address, model, capacity, channel,
+                   worker_stub(role, channel), time.monotonic(),
                    static=static)
         self._workers[worker_id] = w
         log.info("worker %s (%s) at %s joined", worker_id, role, address)
@@ -134,9 +139,7 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
         try:
             if w is None:
                 async with grpc.aio.insecure_channel(address) as ch:
-                    stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if role == "prefill"
-                            else worker_pb2_grpc.DecodeWorkerStub(ch))
-                    stats = await stub.Stats(worker_pb2.StatsRequest(),
+                    stats = await worker_stub(role, ch).Stats(worker_pb2.StatsRequest(),
                                              timeout=self.heartbeat_interval_s)
                 w = self._add(wid, role, address, stats.model, registry_pb2.WorkerCapacity(),
                               static=True)

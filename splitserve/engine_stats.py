@@ -40,7 +40,7 @@ class EngineMonitor:
             s = self._snap
             return EngineSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, s.steps,
                                   s.prefix_cache_queries, s.prefix_cache_hits,
-                                  TransferSample(**{**s.transfers.to_dict(), "samples": []}))
+                                  s.transfers.totals())
 
     def on_transfers(self, fn) -> None:
         """Call fn(TransferSample) for each step's transfer stats (metrics exporters)."""
@@ -61,7 +61,7 @@ class EngineMonitor:
             s.prefix_cache_hits += stats.prefix_cache_stats.hits
             if stats.kv_connector_stats:
                 sample = TransferSample.from_dict(stats.kv_connector_stats)
-                s.transfers.merge(TransferSample(**{**sample.to_dict(), "samples": []}))
+                s.transfers.merge(sample.totals())
         if sample is not None:
             for fn in self._listeners:
                 fn(sample)

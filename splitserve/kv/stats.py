@@ -28,6 +28,11 @@ class TransferSample:
         self.lease_expired += other.lease_expired
         self.samples.extend(other.samples)
 
+    def totals(self) -> TransferSample:
+        """The counters alone: running totals must not keep every transfer's (bytes, s)."""
+        return TransferSample(self.transfers, self.bytes, self.seconds, self.failures,
+                              self.lease_expired)
+
     def is_empty(self) -> bool:
         return not (self.transfers or self.failures or self.lease_expired)
 
@@ -59,7 +64,7 @@ class TransferStats:
     def _add(self, s: TransferSample) -> None:
         with self._lock:
             self._pending.merge(s)
-            self.total.merge(TransferSample(**{**s.to_dict(), "samples": []}))
+            self.total.merge(s.totals())
 
     def drain(self) -> TransferSample:
         with self._lock:

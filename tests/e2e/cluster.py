@@ -18,7 +18,8 @@ from pathlib import Path
 
 import grpc
 
-from splitserve.v1 import generation_pb2_grpc, worker_pb2, worker_pb2_grpc
+from router.registry import worker_stub
+from splitserve.v1 import generation_pb2_grpc, worker_pb2
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -91,9 +92,7 @@ class ProcCluster:
 
     def worker_stats(self, p: Proc) -> worker_pb2.StatsResponse:
         with grpc.insecure_channel(p.address) as ch:
-            stub = (worker_pb2_grpc.PrefillWorkerStub(ch) if p.role == "prefill"
-                    else worker_pb2_grpc.DecodeWorkerStub(ch))
-            return stub.Stats(worker_pb2.StatsRequest(), timeout=5)
+            return worker_stub(p.role, ch).Stats(worker_pb2.StatsRequest(), timeout=5)
 
     def assert_workers_idle(self, timeout_s: float = 30.0) -> None:
         """The leak check: every live worker has nothing running, every KV block free, and no
