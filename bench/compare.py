@@ -13,32 +13,28 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import json
 import sys
-import tempfile
 from pathlib import Path
 
 from bench import plots
 from bench.run import add_arguments, bench
-from splitserve.launch import Cluster, wait_file
-from splitserve.tiny_model import resolve_model
+from deploy.procs import ProcessSet
+from splitserve.models import resolve_model
+from splitserve.roles import Role
 
-DEPLOYMENTS = {"1P+1D (disaggregated)": ["prefill", "decode"],
-               "2 colocated": ["colocated", "colocated"]}
+DEPLOYMENTS = {"1P+1D (disaggregated)": [Role.PREFILL, Role.DECODE],
+               "2 colocated": [Role.COLOCATED, Role.COLOCATED]}
 
 
-def start(model: str, roles: list[str], engine_args: list[str], tmp: Path,
-          cluster: Cluster) -> str:
-    cluster.spawn("router", ["router", "--model", model, "--grpc-port", "0", "--http-port", "0",
-                             "--ready-file", str(tmp / "router")])
-    router = json.loads(wait_file(tmp / "router", cluster, 60))["grpc"]
+def start(model: str, roles: list[Role], engine_args: list[str], cluster: ProcessSet) -> str:
+    router = cluster.spawn("router", ["router", "--model", model, "--grpc-port", "0",
+                                      "--http-port", "0"])
+    cluster.wait_ready([router], 60)
     for i, role in enumerate(roles):
-        cluster.spawn(f"{role}{i}", [role, "--model", model, "--router", router,
-                                     "--cpu-cores", str(i), "--ready-file",
-                                     str(tmp / f"w{i}"), *engine_args])
-    for i in range(len(roles)):
-        wait_file(tmp / f"w{i}", cluster, 600)
-    return router
+        cluster.spawn(f"{role}{i}", [role.value, "--model", model, "--router", router.address,
+                                     "--cpu-cores", str(i), *engine_args], role)
+    cluster.wait_ready(timeout_s=600)
+    return router.address
 
 
 def main() -> int:
@@ -55,10 +51,9 @@ def main() -> int:
     out = Path(a.out)
     results, series, cdfs, bars = {}, {}, {}, {}
     for label, roles in DEPLOYMENTS.items():
-        tmp = Path(tempfile.mkdtemp(prefix="splitserve-compare-"))
-        cluster = Cluster()
+        cluster = ProcessSet()
         try:
-            router = start(model, roles, a.engine_args.split(), tmp, cluster)
+            router = start(model, roles, a.engine_args.split(), cluster)
             bp = argparse.ArgumentParser()
             add_arguments(bp)
             slug = "pd" if "disagg" in label else "colocated"

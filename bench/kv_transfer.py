@@ -19,9 +19,10 @@ Columns:
   memcpy_gbps        dst.copy_(src) of uint8 tensors in one process: the local memory ceiling
                      (loopback TCP copies every byte at least twice, user -> kernel -> user).
   connector_gbps     the whole transport path: this process's Consumer pulls a PullJob from a
-                     Producer in a child process (gather -> side-channel request -> pair channel
-                     -> scatter), timed submit -> result, a new held transfer per repeat. On
-                     top of pair_channel: two copies (gather, scatter), a side-channel round trip.
+                     Producer in a child process (bench/kv_producer.py: gather -> side-channel
+                     request -> pair channel -> scatter), timed submit -> result, a new held
+                     transfer per repeat. On top of pair_channel: two copies (gather, scatter),
+                     a side-channel round trip.
   pair_vs_tcp        pair_channel_gbps / tcp_loopback_gbps (1.0: gloo costs nothing over TCP).
 """
 
@@ -34,8 +35,6 @@ import multiprocessing as mp
 import os
 import platform
 import socket
-import subprocess
-import sys
 import threading
 import time
 import uuid
@@ -46,6 +45,7 @@ from typing import Any
 
 import torch
 
+from bench.kv_producer import ProducerProc
 from splitserve.kv.consumer import Consumer, LoadResult, PullJob
 from splitserve.kv.pair_channel import (
     CONSUMER_RANK,
@@ -54,7 +54,7 @@ from splitserve.kv.pair_channel import (
     connect_store,
     host_store,
 )
-from splitserve.kv.producer import Producer
+from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
 
@@ -196,27 +196,12 @@ def _caches(num_blocks: int) -> dict[str, torch.Tensor]:
             for i in range(LAYERS)}
 
 
-def _producer_child(num_blocks: int) -> None:
-    """Child entry: a Producer driven by one JSON command per stdin line (hold; anything else
-    or EOF ends it), one JSON reply per stdout line."""
-    caches = _caches(num_blocks)
-    prod = Producer(PRODUCER_ID, HOST, 0, 120.0, TIMEOUT_S, None, TransferStats())
-    prod.start(caches, spec_from_caches("bench", BLOCK_SHAPE[1], caches))
-    print(json.dumps({"port": prod.side_port}), flush=True)
-    for line in sys.stdin:
-        cmd = json.loads(line)
-        if cmd.get("op") != "hold":
-            break
-        prod.hold(cmd["transfer_id"], cmd["block_ids"])
-        print(json.dumps({"ok": True}), flush=True)
-    prod.shutdown()
-
-
 class _SignalingConsumer(Consumer):
     """Sets `done` as each job finishes, so the clock stops at the result, not at a poll."""
 
     def __init__(self) -> None:
-        super().__init__("bench-d", HOST, TIMEOUT_S, None, TransferStats(), max_workers=1)
+        super().__init__("bench-d", ConnectorSettings(host=HOST, timeout_s=TIMEOUT_S),
+                         TransferStats(), max_workers=1)
         self.done = threading.Event()
 
     def _finish(self, result: LoadResult) -> None:
@@ -227,27 +212,20 @@ class _SignalingConsumer(Consumer):
 @contextmanager
 def connector(sizes: list[int], repeats: int) -> Iterator[Measure]:
     max_blocks = max(1, round(max(sizes) / BLOCK_BYTES))
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--producer-child", str(max_blocks)]
-    proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
-    assert proc.stdin is not None and proc.stdout is not None
-    stdin, stdout, cons = proc.stdin, proc.stdout, _SignalingConsumer()
-
-    def tell(**msg: Any) -> None:
-        stdin.write(json.dumps(msg) + "\n")
-        stdin.flush()
-
+    prod = ProducerProc(num_layers=LAYERS, num_blocks=max_blocks, shape=list(BLOCK_SHAPE),
+                        dtype="bfloat16", model="bench", block_size=BLOCK_SHAPE[1],
+                        engine_id=PRODUCER_ID, lease_s=120.0, timeout_s=TIMEOUT_S)
+    cons = _SignalingConsumer()
     try:
-        port = int(json.loads(stdout.readline())["port"])
         caches = _caches(max_blocks)
         cons.start(caches, spec_from_caches("bench", BLOCK_SHAPE[1], caches))
 
         def pull(ids: list[int]) -> float:
             tid = uuid.uuid4().hex
-            tell(op="hold", transfer_id=tid, block_ids=ids)
-            assert json.loads(stdout.readline())["ok"]
+            assert prod.cmd(op="hold", transfer_id=tid, block_ids=ids)["ok"]
             cons.done.clear()
             t0 = time.perf_counter()
-            cons.submit(PullJob(tid, tid, HOST, port, PRODUCER_ID, ids, ids))
+            cons.submit(PullJob(tid, prod.ticket(tid, ids), ids, ids))
             if not cons.done.wait(2 * TIMEOUT_S):
                 raise TimeoutError(f"pull of {len(ids)} blocks got no result")
             seconds = time.perf_counter() - t0
@@ -262,13 +240,9 @@ def connector(sizes: list[int], repeats: int) -> Iterator[Measure]:
             return gbps(repeats * len(ids) * BLOCK_BYTES, sum(seconds[1:]))
 
         yield measure
-        tell(op="quit")
-        proc.wait(TIMEOUT_S)
     finally:
         cons.shutdown()
-        if proc.poll() is None:
-            proc.kill()
-        proc.wait()
+        prod.close()
 
 
 # -- driver ----------------------------------------------------------------------------------------
@@ -303,10 +277,7 @@ def main() -> None:
     ap.add_argument("--sizes-mb", default="1,16,128", help="comma-separated sizes in MiB")
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed messages per size")
     ap.add_argument("--json", type=Path, help="also write the results to this file")
-    ap.add_argument("--producer-child", type=int, help=argparse.SUPPRESS)  # internal entry
     args = ap.parse_args()
-    if args.producer_child is not None:
-        return _producer_child(args.producer_child)
     sizes_mb = [int(s) for s in args.sizes_mb.split(",") if s.strip()]
     if not sizes_mb or min(sizes_mb) <= 0 or args.repeats <= 0:
         ap.error("sizes and repeats must be positive")

@@ -14,14 +14,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
-import tempfile
 import time
 from pathlib import Path
 
 import grpc
 
-from splitserve.launch import Cluster, wait_file
-from splitserve.tiny_model import resolve_model
+from deploy.procs import ProcessSet
+from splitserve.models import resolve_model
+from splitserve.roles import Role
 from splitserve.v1 import (
     common_pb2,
     generation_pb2,
@@ -53,17 +53,15 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
     model = resolve_model(a.model)
-    tmp = Path(tempfile.mkdtemp(prefix="splitserve-bench-"))
-    cluster = Cluster()
+    cluster = ProcessSet()
     try:
-        cluster.spawn("worker", ["colocated", "--model", model, "--ready-file",
-                                 str(tmp / "worker"), "--metrics-port", "0"])
-        worker = json.loads(wait_file(tmp / "worker", cluster, 300))["grpc"]
-        cluster.spawn("router", ["router", "--model", model, "--grpc-port", "0", "--http-port",
-                                 "0", "--static-colocated", worker, "--ready-file",
-                                 str(tmp / "router")])
-        router = json.loads(wait_file(tmp / "router", cluster, 60))["grpc"]
-        results = run(worker, router, a.requests, a.max_tokens)
+        w = cluster.spawn("worker", [Role.COLOCATED.value, "--model", model, "--metrics-port", "0"],
+                          Role.COLOCATED)
+        cluster.wait_ready([w], 300)
+        r = cluster.spawn("router", ["router", "--model", model, "--grpc-port", "0",
+                                     "--http-port", "0", "--static-colocated", w.address])
+        cluster.wait_ready([r], 60)
+        results = run(w.address, r.address, a.requests, a.max_tokens)
     finally:
         cluster.stop(grace_s=10)
     report(results, a)

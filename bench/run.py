@@ -115,7 +115,7 @@ async def bench(a: argparse.Namespace) -> dict:
     from bench.metrics import SLO, max_goodput_rate, summarize
     from bench.workload import RequestSpec
     from router.text import RouterTokenizer
-    from splitserve.tiny_model import resolve_model
+    from splitserve.models import resolve_model
 
     tokenizer = RouterTokenizer(resolve_model(a.model))
     specs = build_workload(a, tokenizer)

@@ -1,20 +1,33 @@
 """DecodeWorker: continues a request from pulled KV (or prefills it itself) and streams tokens.
 
-Lifecycle of one request here: Decode(prompt ids + first token, KV params) → the consumer
-connector pulls the prompt's KV from the prefill worker while the request waits
-(WAITING_FOR_REMOTE_KVS) → vLLM computes only the new token's KV and decodes → token deltas
-stream back until a finish reason. Without KV params the worker prefills locally: that is the
+Lifecycle of one request here: Decode(prompt ids + first token, KV ticket) → the consumer
+connector pulls the prompt's KV from the prefill worker named by the ticket while the request
+waits (WAITING_FOR_REMOTE_KVS) → vLLM computes only the new token's KV and decodes → token deltas
+stream back until a finish reason. Without a ticket the worker prefills locally: that is the
 colocated role, and the router's choice for prompts too short to be worth a transfer.
-A cancelled RPC (client gone, deadline, stop string) aborts the vLLM request, freeing its blocks.
+A cancelled RPC (client gone, deadline, stop string) aborts the vLLM request, freeing its blocks
+(and, if it had not pulled yet, telling the producer to release its copy).
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import grpc
+
+from splitserve.kv.ticket import KVTicket
+from splitserve.roles import Role
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.worker.convert import finish_reason_to_proto, kv_params_from_proto, sampling_to_vllm
+from splitserve.worker.convert import finish_reason_to_proto, sampling_to_vllm
 from splitserve.worker.core import WorkerCore, rpc_errors
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
+
+
+def add_to_server(core: WorkerCore, server: grpc.aio.Server) -> list[str]:
+    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(core), server)
+    return [SERVICE]
 
 
 class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
@@ -26,13 +39,15 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         async with rpc_errors(context, request.request_id):
             if not request.prompt_token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
-            kv = (kv_params_from_proto(request.kv_transfer_params)
-                  if request.HasField("kv_transfer_params") else None)
-            if kv is not None and self.core.cfg.role != "decode":
-                raise ValueError("kv_transfer_params: this worker cannot pull KV "
-                                 f"(role {self.core.cfg.role})")
+            ticket = (KVTicket.from_proto(request.ticket) if request.HasField("ticket")
+                      else None)
+            if ticket is not None and self.core.cfg.role is not Role.DECODE:
+                raise ValueError(f"ticket: this worker cannot pull KV (role {self.core.cfg.role})")
             with self.core.admit(context) as engine:
-                params = sampling_to_vllm(request.sampling, kv_transfer_params=kv)
+                if self.core.cfg.debug_stall_decode_s:
+                    await asyncio.sleep(self.core.cfg.debug_stall_decode_s)
+                params = sampling_to_vllm(
+                    request.sampling, kv_transfer_params=ticket.to_vllm() if ticket else None)
                 t_first = None
                 prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
                 async for out in engine.generate(prompt, params, request_id=request.request_id):
@@ -50,13 +65,10 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                         # With pulled KV, the wait before the first token is the transfer (plus
                         # one decode step); without, it is the local prefill.
                         chunk.timings.CopyFrom(common_pb2.Timings(
-                            transfer_s=(first - t0) if kv else 0.0,
-                            prefill_s=0.0 if kv else (first - t0),
+                            transfer_s=(first - t0) if ticket else 0.0,
+                            prefill_s=0.0 if ticket else (first - t0),
                             decode_s=now - first, e2e_s=now - t0))
                     yield chunk
-
-    async def Abort(self, request, context):
-        return await self.core.abort(request, context)
 
     async def Stats(self, request, context):
         return await self.core.stats(request, context)

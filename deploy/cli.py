@@ -8,16 +8,21 @@
   generate-local   one in-process engine, no cluster
   make-tiny-model  write the embedded default model
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
-config dataclasses here and nowhere else.
+config dataclasses here and nowhere else. This module is the composition layer's front (deploy/):
+it may import every package; nothing below imports it.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import logging
 import os
 import sys
+from pathlib import Path
+
+from splitserve.roles import Role
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -47,26 +52,26 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
     return out + (["--kv-secret", a.kv_secret] if a.kv_secret else [])
 
 
-def _worker(role: str):
+def _worker(role: Role):
     def run(a: argparse.Namespace) -> int:
+        from deploy.worker import run as run_worker
         from splitserve.engine import EngineConfig
-        from splitserve.tiny_model import resolve_model
+        from splitserve.kv.settings import ConnectorSettings
+        from splitserve.models import resolve_model
         from splitserve.worker.core import WorkerConfig
-        from splitserve.worker.server import serve
 
-        kv_role = {"prefill": "kv_producer", "decode": "kv_consumer", "colocated": None}[role]
-        kv = {"host": a.kv_host, "lease_s": a.kv_lease_s, "timeout_s": a.kv_timeout_s}
-        if a.kv_secret:
-            kv["secret"] = a.kv_secret
+        kv = ConnectorSettings(host=a.kv_host, lease_s=a.kv_lease_s, timeout_s=a.kv_timeout_s,
+                               secret=a.kv_secret)
         engine = EngineConfig(
             model=resolve_model(a.model), dtype=a.dtype, max_model_len=a.max_model_len,
             block_size=a.block_size, kv_cache_mib=a.kv_cache_mib, max_num_seqs=a.max_num_seqs,
-            kv_role=kv_role, kv_connector_config=kv if kv_role else {},
-            kv_failure_policy=a.kv_failure_policy, cpu_cores=a.cpu_cores)
+            kv_role=role.kv_role, kv_settings=kv, kv_failure_policy=a.kv_failure_policy,
+            cpu_cores=a.cpu_cores)
         cfg = WorkerConfig(role=role, engine=engine, host=a.host, port=a.port, router=a.router,
                            worker_id=a.worker_id, model_name=a.model_name,
-                           metrics_port=a.metrics_port, advertise_host=a.advertise_host)
-        asyncio.run(serve(cfg, a.ready_file))
+                           metrics_port=a.metrics_port, advertise_host=a.advertise_host,
+                           debug_stall_decode_s=a.debug_stall_decode_s)
+        run_worker(cfg, a.ready_file)
         return 0
     return run
 
@@ -74,7 +79,7 @@ def _worker(role: str):
 def _router(a: argparse.Namespace) -> int:
     from router.config import RouterConfig
     from router.server import serve
-    from splitserve.tiny_model import resolve_model
+    from splitserve.models import resolve_model
 
     cfg = RouterConfig(
         model_dir=resolve_model(a.model), model_name=a.model_name, host=a.host, port=a.grpc_port,
@@ -83,13 +88,17 @@ def _router(a: argparse.Namespace) -> int:
         api_key=a.api_key,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
         static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
-    asyncio.run(serve(cfg, a.ready_file))
+    try:
+        asyncio.run(serve(cfg, a.ready_file))
+    finally:
+        if a.debug_modules_file:  # tests: what the router process loaded, checked at exit
+            Path(a.debug_modules_file).write_text(json.dumps(sorted(sys.modules)))
     return 0
 
 
 def _up(a: argparse.Namespace) -> int:
-    from splitserve.launch import up
-    from splitserve.tiny_model import resolve_model
+    from deploy.local import up
+    from splitserve.models import resolve_model
 
     model = resolve_model(a.model)  # generate the default model once, before the workers race
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
@@ -140,7 +149,7 @@ def _make_tiny_model(a: argparse.Namespace) -> int:
 
 
 def _generate_local(a: argparse.Namespace) -> int:
-    from splitserve.local_generate import run
+    from deploy.local_generate import run
 
     return run(a)
 
@@ -180,15 +189,17 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-model-len", type=int, default=4096)
     _router_flags(r)
     r.add_argument("--local-prefill-threshold", type=int, default=0)
-    r.add_argument("--heartbeat-timeout-s", type=float, default=3.0)
-    for role in ("prefill", "decode", "colocated"):
+    r.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
+                   help="drop a worker silent this long (a busy small host can stall seconds)")
+    for role in Role:
         r.add_argument(f"--static-{role}", action="append", default=[], metavar="ADDR",
                        help=f"a {role} worker that does not register (repeatable)")
     r.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+    r.add_argument("--debug-modules-file", default=None, help=argparse.SUPPRESS)
     r.set_defaults(func=_router)
 
-    for role in ("prefill", "decode", "colocated"):
-        w = sub.add_parser(role, help=f"one {role} worker")
+    for role in Role:
+        w = sub.add_parser(role.value, help=f"one {role} worker")
         _engine_flags(w)
         w.add_argument("--host", default="127.0.0.1", help="address to bind (0.0.0.0: all)")
         w.add_argument("--advertise-host", default=None,
@@ -200,6 +211,7 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port (0: any free port)")
         w.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
+        w.add_argument("--debug-stall-decode-s", type=float, default=0.0, help=argparse.SUPPRESS)
         w.set_defaults(func=_worker(role))
 
     g = sub.add_parser("generate", help="stream a completion from a router")

@@ -18,7 +18,7 @@ def run(args: argparse.Namespace) -> int:
 
 async def _stream(args: argparse.Namespace) -> int:
     from splitserve.engine import EngineConfig, running_engine
-    from splitserve.tiny_model import resolve_model
+    from splitserve.models import resolve_model
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")

@@ -1,23 +1,32 @@
 """PrefillWorker: runs a prompt to its first token on a producer engine and holds its KV.
 
-Lifecycle of one request here: Prefill(prompt ids) → vLLM with max_tokens=1 and
-{"do_remote_decode": True} → first token + KV transfer params back to the router, while the
-connector holds the prompt's blocks under a lease until a decode worker pulls them.
+Lifecycle of one request here: Prefill(prompt ids, transfer id) → vLLM with max_tokens=1 and
+`produce_params(transfer_id)` → first token + the KV ticket back to the router, while the
+connector holds the prompt's blocks under a lease until a decode worker pulls them — or the router
+sends Release(transfer id) because it will not decode (stop string on the first token, client
+gone, deadline, Decode failed), or the lease runs out.
 The request never decodes here; if its first token already ends it (EOS), nothing is held.
 """
 
 from __future__ import annotations
 
 import time
+import uuid
 
+import grpc
+
+from splitserve.kv.control import kv_release
+from splitserve.kv.ticket import KVTicket, TransferId, produce_params
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.worker.convert import (
-    finish_reason_to_proto,
-    first_logprob,
-    kv_params_to_proto,
-    sampling_to_vllm,
-)
+from splitserve.worker.convert import finish_reason_to_proto, first_logprob, sampling_to_vllm
 from splitserve.worker.core import WorkerCore, rpc_errors
+
+SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
+
+
+def add_to_server(core: WorkerCore, server: grpc.aio.Server) -> list[str]:
+    worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(core), server)
+    return [SERVICE]
 
 
 class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
@@ -35,9 +44,10 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 # asking for more than one token).
                 wants_decode = (not request.sampling.HasField("max_tokens")
                                 or request.sampling.max_tokens > 1)
+                tid = TransferId(request.transfer_id or uuid.uuid4().hex)
                 params = sampling_to_vllm(
                     request.sampling, max_tokens=1, min_tokens=min(request.sampling.min_tokens, 1),
-                    kv_transfer_params={"do_remote_decode": True} if wants_decode else None)
+                    kv_transfer_params=produce_params(tid) if wants_decode else None)
                 final = None
                 prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
                 async for out in engine.generate(prompt, params, request_id=request.request_id):
@@ -51,15 +61,20 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 if logprob is not None:
                     resp.first_token_logprob = logprob
                 if final.kv_transfer_params:
-                    kv = final.kv_transfer_params
-                    resp.kv_transfer_params.CopyFrom(kv_params_to_proto(kv))
-                    self.core.kv_side_channel = (str(kv["remote_host"]), int(kv["remote_port"]))
+                    resp.ticket.CopyFrom(KVTicket.from_vllm(final.kv_transfer_params).to_proto())
                 elif output.finish_reason != "length" or not wants_decode:
                     resp.finish_reason = finish_reason_to_proto(output.finish_reason)
                 return resp
 
-    async def Abort(self, request, context):
-        return await self.core.abort(request, context)
+    async def Release(self, request: worker_pb2.ReleaseRequest,
+                      context) -> worker_pb2.ReleaseResponse:
+        async with rpc_errors(context, request.transfer_id):
+            if not request.transfer_id:
+                raise ValueError("transfer_id: must not be empty")
+            if self.core.engine is None:
+                return worker_pb2.ReleaseResponse(state="unknown")  # nothing can be held yet
+            state = await kv_release(self.core.engine, request.transfer_id)
+            return worker_pb2.ReleaseResponse(state=state)
 
     async def Stats(self, request, context):
         return await self.core.stats(request, context)

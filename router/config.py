@@ -19,7 +19,9 @@ class RouterConfig:
     # recomputing a few tokens. 0 = always disaggregate when prefill workers exist.
     local_prefill_threshold: int = 0
     heartbeat_interval_s: float = 1.0
-    heartbeat_timeout_s: float = 3.0  # a worker silent this long is dropped
+    # A worker silent this long is dropped. Generous: on a small host whose cores the engines
+    # keep busy, a worker's event loop can stall for seconds (3 s dropped live workers).
+    heartbeat_timeout_s: float = 10.0
     static_prefill: tuple[str, ...] = ()
     static_decode: tuple[str, ...] = ()
     static_colocated: tuple[str, ...] = ()

@@ -1,23 +1,36 @@
 """One request through the workers, as a stream of token events.
 
-Lifecycle: route → (disaggregated) Prefill on a prefill worker → first token event at once (this
-is the TTFT) → Decode on a decode worker with prompt + first token and the KV transfer params →
-token events as the decode stream delivers them → final event with finish reason and timings.
-(local) Decode with the prompt alone on a decode or colocated worker.
-Closing the generator early (stop string, client gone, deadline) cancels the decode RPC, which
-aborts the request on the worker and frees its blocks.
+Lifecycle: route → (disaggregated) Prefill on a prefill worker under a transfer id the router
+chose → first token event at once (this is the TTFT) → Decode on a decode worker with prompt +
+first token and the KV ticket → token events as the decode stream delivers them → final event
+with finish reason and timings. (local) Decode with the prompt alone on a decode or colocated
+worker.
+
+A ticket is owed back to its prefill worker until a decode stream has consumed it (its first
+message means the KV was pulled or given up on). Whatever ends the flow before that — a stop
+string in the first token, the client leaving, the deadline, a failed Decode, a failed or
+cancelled Prefill (which may still have held the KV) — sends Release(transfer id), so held KV is
+freed at once instead of when its lease runs out. Closing the generator early also cancels the
+decode RPC, which aborts the request on the decode worker and frees its blocks.
 """
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 import grpc
 
+from router.errors import RequestFailed
 from router.registry import Worker
 from splitserve.v1 import common_pb2, worker_pb2
+
+log = logging.getLogger(__name__)
+RELEASE_TIMEOUT_S = 5.0
 
 
 @dataclass(slots=True)
@@ -36,61 +49,105 @@ class FlowTimings:
     first_token_at: float | None = None  # time.perf_counter() when the first token arrived
 
 
-class WorkerFailed(Exception):
-    """A worker RPC failed; carries the status to return to the client."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def _failed(e: grpc.aio.AioRpcError, what: str, w: Worker) -> WorkerFailed:
+def _failed(e: grpc.aio.AioRpcError, what: str, w: Worker) -> RequestFailed:
     passthrough = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
                    grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
     code = e.code() if e.code() in passthrough else grpc.StatusCode.UNAVAILABLE
-    return WorkerFailed(code, f"{what} on {w.role} worker {w.worker_id} failed: "
-                              f"{e.code().name}: {e.details()}")
+    return RequestFailed(code, f"{what} on {w.role} worker {w.worker_id} failed: "
+                               f"{e.code().name}: {e.details()}")
+
+
+def _cut_off(what: str, w: Worker) -> RequestFailed:
+    """The call was cancelled from our side of the channel (its worker was closed), not by the
+    client: the request fails as UNAVAILABLE instead of ending without a status."""
+    return RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                         f"{what} on {w.role} worker {w.worker_id} was cut off: channel closed")
+
+
+def _we_are_cancelled() -> bool:
+    task = asyncio.current_task()
+    return task is not None and task.cancelling() > 0
+
+
+def _left(deadline: float | None) -> float | None:
+    """What remains of the request's deadline (time.monotonic()), for the next worker call."""
+    return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
 async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
-                   prefill: Worker | None, decode: Worker, timeout: float | None,
+                   prefill: Worker | None, decode: Worker, deadline: float | None,
                    timings: FlowTimings) -> AsyncIterator[TokenEvent]:
-    max_tokens = sampling.max_tokens
-    kv = None
-    if prefill is not None:
-        req = worker_pb2.PrefillRequest(request_id=f"{request_id}-p", prompt_token_ids=prompt_ids,
-                                        sampling=sampling)
-        t0 = time.perf_counter()
-        prefill.inflight += 1
-        try:
-            resp = await prefill.stub.Prefill(req, timeout=timeout)
-        except grpc.aio.AioRpcError as e:
-            raise _failed(e, "prefill", prefill) from e
-        finally:
-            prefill.inflight -= 1
-        # The worker splits its time into engine queue and prefill compute when it can.
-        rpc_s = time.perf_counter() - t0
-        timings.prefill_s = resp.timings.prefill_s or rpc_s
-        timings.worker_queue_s = resp.timings.queue_s
-        timings.first_token_at = time.perf_counter()
-        done = resp.HasField("finish_reason") or max_tokens <= 1
+    if prefill is None:
+        async for ev in _decode(request_id, prompt_ids, sampling, None, decode, deadline,
+                                timings):
+            yield ev
+        return
+
+    transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+    owed = True  # until we know the prefill held nothing, or a decode consumed the ticket
+    try:
+        resp = await _prefill(request_id, transfer_id, prompt_ids, sampling, prefill, deadline,
+                              timings)
+        owed = resp.HasField("ticket")
+        done = resp.HasField("finish_reason") or sampling.max_tokens <= 1
         logprobs = [resp.first_token_logprob] if resp.HasField("first_token_logprob") else []
         yield TokenEvent([resp.first_token_id], logprobs,
                          (resp.finish_reason or common_pb2.FINISH_REASON_LENGTH) if done else None)
         if done:
             return
-        prompt_ids = [*prompt_ids, resp.first_token_id]
-        sampling = _rest_after_first(sampling)
-        if resp.HasField("kv_transfer_params"):
-            kv = resp.kv_transfer_params
-        # else: the producer held nothing (e.g. no full computation); decode prefills locally.
+        ticket = resp.ticket if owed else None  # none: nothing held, the decode side prefills
+        if ticket is not None and ticket.lease_expires_at < time.time():
+            log.info("request %s: the KV lease of transfer %s ran out before Decode; the decode "
+                     "worker prefills instead", request_id, transfer_id)
+            ticket = None
+        async for ev in _decode(request_id, [*prompt_ids, resp.first_token_id],
+                                _rest_after_first(sampling), ticket, decode, deadline, timings):
+            owed = False  # the decode side has pulled (or given up on) the KV
+            yield ev
+    finally:
+        if owed:
+            _release_soon(prefill, transfer_id)
 
-    dreq = worker_pb2.DecodeRequest(request_id=f"{request_id}-d", prompt_token_ids=prompt_ids,
-                                    sampling=sampling)
-    if kv is not None:
-        dreq.kv_transfer_params.CopyFrom(kv)
-    decode.inflight += 1
-    call = decode.stub.Decode(dreq, timeout=timeout)
+
+async def _prefill(request_id: str, transfer_id: str, prompt_ids: list[int],
+                   sampling: common_pb2.SamplingParams, w: Worker, deadline: float | None,
+                   timings: FlowTimings) -> worker_pb2.PrefillResponse:
+    req = worker_pb2.PrefillRequest(request_id=f"{request_id}-p", prompt_token_ids=prompt_ids,
+                                    sampling=sampling, transfer_id=transfer_id)
+    t0 = time.perf_counter()
+    w.inflight += 1
+    try:
+        resp = await w.stub.Prefill(req, timeout=_left(deadline))
+    except grpc.aio.AioRpcError as e:
+        raise _failed(e, "prefill", w) from e
+    except grpc.aio.UsageError as e:
+        raise _cut_off("prefill", w) from e
+    except asyncio.CancelledError:
+        if _we_are_cancelled():
+            raise
+        raise _cut_off("prefill", w) from None
+    finally:
+        w.inflight -= 1
+    # The worker splits its time into engine queue and prefill compute when it can.
+    timings.prefill_s = resp.timings.prefill_s or (time.perf_counter() - t0)
+    timings.worker_queue_s = resp.timings.queue_s
+    timings.first_token_at = time.perf_counter()
+    return resp
+
+
+async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
+                  ticket: common_pb2.KvTicket | None, w: Worker, deadline: float | None,
+                  timings: FlowTimings) -> AsyncIterator[TokenEvent]:
+    req = worker_pb2.DecodeRequest(request_id=f"{request_id}-d", prompt_token_ids=prompt_ids,
+                                   sampling=sampling)
+    if ticket is not None:
+        req.ticket.CopyFrom(ticket)
+    w.inflight += 1
+    try:
+        call = w.stub.Decode(req, timeout=_left(deadline))
+    except grpc.aio.UsageError as e:
+        w.inflight -= 1
+        raise _cut_off("decode", w) from e
     try:
         async for chunk in call:
             if chunk.token_ids and timings.first_token_at is None:
@@ -102,9 +159,13 @@ async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.
                 timings.decode_s = chunk.timings.decode_s
             yield TokenEvent(list(chunk.token_ids), list(chunk.logprobs), finish)
     except grpc.aio.AioRpcError as e:
-        raise _failed(e, "decode", decode) from e
+        raise _failed(e, "decode", w) from e
+    except asyncio.CancelledError:
+        if _we_are_cancelled():
+            raise
+        raise _cut_off("decode", w) from None
     finally:
-        decode.inflight -= 1
+        w.inflight -= 1
         call.cancel()  # no-op when finished; aborts the worker's request when we stop early
 
 
@@ -115,3 +176,24 @@ def _rest_after_first(sp: common_pb2.SamplingParams) -> common_pb2.SamplingParam
     rest.max_tokens = sp.max_tokens - 1
     rest.min_tokens = max(sp.min_tokens - 1, 0)
     return rest
+
+
+# Releases outlive the request that owed them (it may be unwinding from a cancellation), so
+# they run as tasks of their own; the set keeps them referenced until they finish.
+_releases: set[asyncio.Task] = set()
+
+
+def _release_soon(w: Worker, transfer_id: str) -> None:
+    async def release() -> None:
+        try:
+            resp = await w.stub.Release(worker_pb2.ReleaseRequest(transfer_id=transfer_id),
+                                        timeout=RELEASE_TIMEOUT_S)
+            log.debug("released transfer %s on %s (was %s)", transfer_id, w.worker_id,
+                      resp.state)
+        except grpc.aio.AioRpcError as e:
+            log.info("release of transfer %s on %s failed (%s); its lease will free it",
+                     transfer_id, w.worker_id, e.code().name)
+
+    task = asyncio.ensure_future(release())
+    _releases.add(task)
+    task.add_done_callback(_releases.discard)

@@ -21,26 +21,17 @@ from dataclasses import dataclass
 import grpc
 
 from router.config import RouterConfig
-from router.flow import FlowTimings, WorkerFailed, run_flow
+from router.errors import InvalidArgument, RequestFailed, cancelled_outcome
+from router.flow import FlowTimings, run_flow
 from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.registry import Worker, WorkerRegistry
 from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
-from router.validation import InvalidArgument, check_model, validate_prompt, validate_sampling
+from router.validation import check_model, validate_prompt, validate_sampling
+from splitserve.roles import Role
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-
-OUTCOME_OF = {grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected", grpc.StatusCode.UNAVAILABLE:
-              "unavailable", grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
-              grpc.StatusCode.CANCELLED: "cancelled", grpc.StatusCode.INVALID_ARGUMENT: "invalid"}
-
-
-class Rejected(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
 
 
 @dataclass
@@ -57,7 +48,7 @@ class Admission:
 
     async def acquire(self) -> None:
         if self._slots.locked() and self.waiting >= self.max_queue:
-            raise Rejected(grpc.StatusCode.RESOURCE_EXHAUSTED,
+            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
                            f"overloaded: {self.running} running and {self.waiting} queued "
                            f"(max_queue {self.max_queue}); retry later")
         self.waiting += 1
@@ -114,9 +105,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     async def ListModels(self, request, context):
         return generation_pb2.ListModelsResponse(models=[generation_pb2.ModelInfo(
             name=self.served_model, max_model_len=self.cfg.max_model_len,
-            prefill_workers=len(self.registry.alive("prefill")),
-            decode_workers=len(self.registry.alive("decode")) + len(
-                self.registry.alive("colocated")))])
+            prefill_workers=len(self.registry.alive(Role.PREFILL)),
+            decode_workers=len(self.registry.alive(Role.DECODE)) + len(
+                self.registry.alive(Role.COLOCATED)))])
 
     # -- the request ----------------------------------------------------------------------------
     async def _guarded(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -125,15 +116,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         try:
             async for chunk in self.stream(request, context.time_remaining(), trace):
                 yield chunk
-        except InvalidArgument as e:
-            trace.finish("invalid")
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except (Rejected, WorkerFailed) as e:
-            trace.finish(OUTCOME_OF.get(e.code, "error"))
+        except RequestFailed as e:
+            trace.finish(e.outcome)
             await context.abort(e.code, str(e))
         except asyncio.CancelledError:
-            left = context.time_remaining()
-            trace.finish("deadline" if left is not None and left <= 0 else "cancelled")
+            trace.finish(cancelled_outcome(context.time_remaining()))
             raise
         finally:
             trace.finish("error")  # no-op unless something unexpected escaped
@@ -144,36 +131,34 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         check_model(request.model, {self.served_model})
         validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
                         max_model_len=self.cfg.max_model_len)
-        ids = (list(request.token_ids.ids) if request.WhichOneof("prompt") == "token_ids"
-               else self.tokenizer.encode(request.text))
+        if request.WhichOneof("prompt") == "token_ids":
+            ids = list(request.token_ids.ids)
+        else:  # a text prompt's length is known only now
+            ids = self.tokenizer.encode(request.text)
+            validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
+                            max_model_len=self.cfg.max_model_len, prompt_len=len(ids))
         v = validate_sampling(request.sampling, prompt_len=len(ids),
                               max_model_len=self.cfg.max_model_len)
-        sp = common_pb2.SamplingParams(
-            temperature=v.temperature, top_p=v.top_p, top_k=v.top_k, max_tokens=v.max_tokens,
-            min_tokens=v.min_tokens, stop_token_ids=v.stop_token_ids, ignore_eos=v.ignore_eos)
-        if v.seed is not None:
-            sp.seed = v.seed
-        if v.logprobs is not None:
-            sp.logprobs = v.logprobs
-        return ids, sp, tuple(v.stop)
+        return ids, v.to_proto(), v.stop
 
     def route(self, prompt_len: int, local: bool) -> tuple[Worker | None, Worker]:
-        prefill = self.registry.alive("prefill", self.served_model)
-        decode = self.registry.alive("decode", self.served_model)
-        colocated = self.registry.alive("colocated", self.served_model)
+        prefill = self.registry.alive(Role.PREFILL, self.served_model)
+        decode = self.registry.alive(Role.DECODE, self.served_model)
+        colocated = self.registry.alive(Role.COLOCATED, self.served_model)
         if prefill and decode and not local and prompt_len >= self.cfg.local_prefill_threshold:
-            return choose_prefill(prefill, []), choose_decode(decode, self.rng)
+            return choose_prefill(prefill), choose_decode(decode, self.rng)
         if decode or colocated:
             return None, choose_decode(decode + colocated, self.rng)
-        raise Rejected(grpc.StatusCode.UNAVAILABLE,
+        raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
                        f"no live worker can serve {self.served_model!r}: {len(prefill)} prefill, "
                        f"{len(decode)} decode, {len(colocated)} colocated")
 
     async def stream(self, request: generation_pb2.GenerateRequest, timeout: float | None,
                      trace: RequestTrace) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """The request as response chunks; raises InvalidArgument, Rejected or WorkerFailed.
-        Shared by the gRPC service and the HTTP front."""
+        """The request as response chunks; raises RequestFailed (InvalidArgument included).
+        Shared by the gRPC service and the HTTP front. `timeout`: seconds left to the client."""
         t0 = trace.arrival
+        deadline = None if timeout is None else time.monotonic() + timeout
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         ids, sp, stops = self.prepare(request)
         m = self.metrics
@@ -193,7 +178,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 or request.skip_special_tokens)
             stop = StopMatcher(stops)
             n_out, finish, stop_reason = 0, None, None
-            flow = run_flow(rid, ids, sp, prefill, decode, timeout, timings)
+            flow = run_flow(rid, ids, sp, prefill, decode, deadline, timings)
             try:
                 async for ev in flow:
                     n_out += len(ev.token_ids)

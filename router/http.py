@@ -15,21 +15,17 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
 import jinja2
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from router.flow import WorkerFailed
-from router.generation import OUTCOME_OF, GenerationService, Rejected
-from router.validation import InvalidArgument
+from router.errors import InvalidArgument, RequestFailed
+from router.generation import GenerationService
 from splitserve.v1 import common_pb2, generation_pb2
 
 FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
-HTTP_STATUS = {grpc.StatusCode.RESOURCE_EXHAUSTED: 429, grpc.StatusCode.UNAVAILABLE: 503,
-               grpc.StatusCode.DEADLINE_EXCEEDED: 504, grpc.StatusCode.INVALID_ARGUMENT: 400}
 
 
 class ApiError(Exception):
@@ -66,7 +62,7 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
     async def health():
         try:
             service.route(1, local=False)
-        except Rejected as e:
+        except RequestFailed as e:
             return JSONResponse(status_code=503, content={"status": "unavailable",
                                                           "detail": str(e)})
         return {"status": "ok"}
@@ -150,8 +146,13 @@ async def _run(service: GenerationService, req: generation_pb2.GenerateRequest,
     _sampling(body, req)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req.request_id = rid
+    timeout = body.get("timeout")
+    if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
+                                or not 0 < timeout < float("inf")):
+        raise ApiError(400, f"timeout must be a positive number of seconds, got {timeout!r}",
+                       "timeout")
     trace = service.metrics.trace()
-    chunks = _guard(service.stream(req, body.get("timeout"), trace), trace)
+    chunks = _guard(service.stream(req, timeout, trace), trace)
     first = await _first(chunks)  # errors before the first chunk become HTTP statuses
     created = int(time.time())
     if body.get("stream"):
@@ -185,16 +186,15 @@ async def _guard(chunks: AsyncIterator, trace) -> AsyncIterator:
         async for c in chunks:
             yield c
     except InvalidArgument as e:
-        trace.finish("invalid")
+        trace.finish(e.outcome)
         status = 404 if e.field == "model" else 400
         # OpenAI names request fields flat ("temperature", not "sampling.temperature").
         raise ApiError(status, str(e), e.field.removeprefix("sampling."),
                        code="model_not_found" if status == 404 else None) from e
-    except (Rejected, WorkerFailed) as e:
-        trace.finish(OUTCOME_OF.get(e.code, "error"))
-        raise ApiError(HTTP_STATUS.get(e.code, 500), str(e),
-                       kind="server_error" if e.code != grpc.StatusCode.INVALID_ARGUMENT
-                       else "invalid_request_error") from e
+    except RequestFailed as e:
+        trace.finish(e.outcome)
+        raise ApiError(e.http_status, str(e), kind="invalid_request_error"
+                       if e.http_status == 400 else "server_error") from e
     except (asyncio.CancelledError, GeneratorExit):
         trace.finish("cancelled")  # the HTTP client went away
         raise

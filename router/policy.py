@@ -3,18 +3,15 @@
 Decode: power of two choices — sample two live decode workers, take the one with more free KV
 blocks net of what the router already sent it, then fewer running requests. Two random probes
 avoid the herd that "always the least loaded" causes when load reports lag behind a burst.
-Prefill: the shortest queue (router in-flight + the worker's own queue); `prefix_affinity` is the
-hook for routing repeated prefixes to the worker that has them cached.
+Prefill: the shortest queue (router in-flight + the worker's own queue).
 """
 
 from __future__ import annotations
 
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from router.registry import Worker
-
-PrefixAffinity = Callable[[Sequence[int], Sequence[Worker]], Worker | None]
 
 
 def _decode_score(w: Worker) -> tuple[float, int]:
@@ -32,11 +29,6 @@ def choose_decode(workers: Sequence[Worker], rng: random.Random) -> Worker:
     return min((a, b), key=_decode_score)
 
 
-def choose_prefill(workers: Sequence[Worker], prompt_ids: Sequence[int],
-                   affinity: PrefixAffinity | None = None) -> Worker:
+def choose_prefill(workers: Sequence[Worker]) -> Worker:
     assert workers, "caller checks for an empty pool"
-    if affinity is not None:
-        picked = affinity(prompt_ids, workers)
-        if picked is not None:
-            return picked
     return min(workers, key=lambda w: (w.inflight + w.load.queue_len, w.load.waiting))

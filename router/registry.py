@@ -6,7 +6,9 @@ worker registers again and is taken back. Static workers (given by address at st
 polled with Stats instead and dropped/taken back by the same rule.
 
 Each worker gets one long-lived gRPC channel; `inflight` counts the router's own requests on it,
-which is fresher than the worker's last heartbeat when a burst arrives.
+which is fresher than the worker's last heartbeat when a burst arrives. A worker that leaves stops
+getting new requests at once, but its channel stays open until the requests already on it end:
+one that only missed heartbeats (a busy host) finishes them, a dead one fails them by itself.
 """
 
 from __future__ import annotations
@@ -18,24 +20,23 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.roles import Role
 from splitserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
-
-ROLE_NAMES = {registry_pb2.ROLE_PREFILL: "prefill", registry_pb2.ROLE_DECODE: "decode",
-              registry_pb2.ROLE_COLOCATED: "colocated"}
+RETIRE_GRACE_S = 600.0  # longest a departed worker's channel stays open for requests on it
 
 
-def worker_stub(role: str, channel: grpc.aio.Channel | grpc.Channel):
+def worker_stub(role: Role, channel: grpc.aio.Channel | grpc.Channel):
     """The internal service a worker of `role` serves (colocated workers serve DecodeWorker)."""
-    return (worker_pb2_grpc.PrefillWorkerStub(channel) if role == "prefill"
-            else worker_pb2_grpc.DecodeWorkerStub(channel))
+    return (worker_pb2_grpc.DecodeWorkerStub(channel) if role.decodes
+            else worker_pb2_grpc.PrefillWorkerStub(channel))
 
 
 @dataclass(slots=True)
 class Worker:
     worker_id: str
-    role: str
+    role: Role
     address: str
     model: str
     capacity: registry_pb2.WorkerCapacity
@@ -48,29 +49,29 @@ class Worker:
 
 
 class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 3.0):
+    def __init__(self, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
         self._workers: dict[str, Worker] = {}
-        self._static: list[tuple[str, str]] = []
-        self.changed = asyncio.Event()  # set whenever membership changes (tests, `up`)
+        self._static: list[tuple[Role, str]] = []
+        self._retiring: set[asyncio.Task] = set()
 
     # -- queries ---------------------------------------------------------------------------
-    def alive(self, role: str, model: str | None = None) -> list[Worker]:
+    def alive(self, role: Role, model: str | None = None) -> list[Worker]:
         cutoff = time.monotonic() - self.heartbeat_timeout_s
         return [w for w in self._workers.values()
-                if w.role == role and w.last_seen >= cutoff and (model is None or w.model == model)]
-
-    def models(self) -> set[str]:
-        return {w.model for w in self._workers.values()}
+                if w.role is role and w.last_seen >= cutoff and (model is None or w.model == model)]
 
     # -- Registry service --------------------------------------------------------------------
     async def Register(self, request: registry_pb2.RegisterRequest, context):
-        if request.role not in ROLE_NAMES or not request.grpc_address or not request.worker_id:
+        try:
+            role = Role.from_proto(request.role)
+        except ValueError:
+            role = None
+        if role is None or not request.grpc_address or not request.worker_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "worker_id, a known role and grpc_address are required")
-        self._add(request.worker_id, ROLE_NAMES[request.role], request.grpc_address,
-                  request.model, request.capacity)
+        self._add(request.worker_id, role, request.grpc_address, request.model, request.capacity)
         return registry_pb2.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     async def Heartbeat(self, request: registry_pb2.HeartbeatRequest, context):
@@ -87,33 +88,43 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
         return registry_pb2.DeregisterResponse(known=await self._remove(request.worker_id))
 
     # -- membership --------------------------------------------------------------------------
-    def _add(self, worker_id: str, role: str, address: str, model: str,
+    def _add(self, worker_id: str, role: Role, address: str, model: str,
              capacity: registry_pb2.WorkerCapacity, static: bool = False) -> Worker:
         old = self._workers.get(worker_id)
         if old is not None and old.address == address:
             old.last_seen = time.monotonic()
             return old
         if old is not None:
-            asyncio.ensure_future(old.channel.close())
+            self._retire(old)
         channel = grpc.aio.insecure_channel(address)
         w = Worker(worker_id, role, address, model, capacity, channel,
                    worker_stub(role, channel), time.monotonic(),
                    static=static)
         self._workers[worker_id] = w
         log.info("worker %s (%s) at %s joined", worker_id, role, address)
-        self.changed.set()
         return w
 
     async def _remove(self, worker_id: str) -> bool:
         w = self._workers.pop(worker_id, None)
         if w is None:
             return False
-        log.info("worker %s (%s) at %s left", worker_id, w.role, w.address)
-        await w.channel.close()
-        self.changed.set()
+        log.info("worker %s (%s) at %s left (%d request(s) still on it)", worker_id, w.role,
+                 w.address, w.inflight)
+        self._retire(w)
         return True
 
-    def add_static(self, role: str, address: str) -> None:
+    def _retire(self, w: Worker) -> None:
+        async def close_when_idle() -> None:
+            deadline = time.monotonic() + RETIRE_GRACE_S
+            while w.inflight and time.monotonic() < deadline:
+                await asyncio.sleep(0.5)
+            await w.channel.close()
+
+        task = asyncio.ensure_future(close_when_idle())
+        self._retiring.add(task)
+        task.add_done_callback(self._retiring.discard)
+
+    def add_static(self, role: Role, address: str) -> None:
         """A worker known by address only (no registration): polled with Stats."""
         self._static.append((role, address))
 
@@ -132,8 +143,10 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
                 pass
         for wid in list(self._workers):
             await self._remove(wid)
+        if self._retiring:  # the server is draining its requests meanwhile; then they close
+            await asyncio.wait(list(self._retiring), timeout=10.0)
 
-    async def _poll_static(self, role: str, address: str) -> None:
+    async def _poll_static(self, role: Role, address: str) -> None:
         wid = f"static-{role}-{address}"
         w = self._workers.get(wid)
         try:

@@ -16,16 +16,19 @@ from pathlib import Path
 
 import grpc
 import uvicorn
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from router.config import RouterConfig
+from router.errors import RequestFailed
 from router.generation import GenerationService
 from router.http import build_app
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.text import RouterTokenizer
+from splitserve.health import set_serving
+from splitserve.roles import Role
 from splitserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -39,8 +42,8 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
     metrics_registry = CollectorRegistry()
     metrics = RouterMetrics(metrics_registry, served)
     registry = WorkerRegistry(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s)
-    for role, addrs in (("prefill", cfg.static_prefill), ("decode", cfg.static_decode),
-                        ("colocated", cfg.static_colocated)):
+    for role, addrs in ((Role.PREFILL, cfg.static_prefill), (Role.DECODE, cfg.static_decode),
+                        (Role.COLOCATED, cfg.static_colocated)):
         for a in addrs:
             registry.add_static(role, a)
     service = GenerationService(cfg, registry, RouterTokenizer(cfg.model_dir), served, metrics)
@@ -76,7 +79,7 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
     tasks = [asyncio.ensure_future(registry.run(stop)),
              asyncio.ensure_future(_track_health(service, health_servicer, metrics, stop))]
     await stop.wait()
-    await _set(health_servicer, serving=False)
+    await set_serving(health_servicer, SERVICES, False)
     if http_task is not None:
         http.should_exit = True
         await http_task
@@ -124,24 +127,18 @@ async def _track_health(service: GenerationService, h: health.aio.HealthServicer
                         metrics: RouterMetrics, stop: asyncio.Event) -> None:
     serving = None
     while not stop.is_set():
-        for role in ("prefill", "decode", "colocated"):
-            metrics.workers.labels(metrics.model, role).set(len(service.registry.alive(role)))
+        for role in Role:
+            metrics.workers.labels(metrics.model, role.value).set(len(service.registry.alive(role)))
         try:
             service.route(1 << 30, local=False)
             now = True
-        except Exception:
+        except RequestFailed:
             now = False
         if now != serving:
-            await _set(h, now)
+            await set_serving(h, SERVICES, now)
             serving = now
         try:
             await asyncio.wait_for(stop.wait(), 0.5)
         except asyncio.TimeoutError:
             pass
 
-
-async def _set(h: health.aio.HealthServicer, serving: bool) -> None:
-    status = (health_pb2.HealthCheckResponse.SERVING if serving
-              else health_pb2.HealthCheckResponse.NOT_SERVING)
-    for name in ["", *SERVICES]:
-        await h.set(name, status)

@@ -4,8 +4,8 @@ Lifecycle: for every Generate/Complete call the servicer first runs `check_model
 `validate_prompt` (before and, for text, after tokenising: the length check needs the token
 count), then `validate_sampling` with the prompt length. Any `InvalidArgument` becomes a gRPC
 INVALID_ARGUMENT (HTTP 400) carrying `str(err)`, e.g. "sampling.temperature: must be in [0, 2],
-got 3.0"; nothing reaches a worker. The returned `ValidSampling` has every default filled in, so
-code downstream never checks proto field presence again.
+got 3.0"; nothing reaches a worker. The returned `Sampling` has every default filled in, so
+code downstream never checks proto field presence again (defaults: splitserve/sampling.py).
 
 Field names in errors are proto paths ("sampling.top_p", "token_ids", ...) so clients can map
 them back to what they sent. Only stdlib and generated protobuf modules: no torch, no vllm.
@@ -15,36 +15,12 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
-from dataclasses import dataclass
 
+from router.errors import InvalidArgument
+from splitserve.sampling import DEFAULT_MAX_TOKENS, Sampling
 from splitserve.v1 import common_pb2, generation_pb2
 
 MAX_LOGPROBS = 20  # what the OpenAI API allows; the engines are configured to match
-
-
-class InvalidArgument(ValueError):
-    """A client error in one request field; maps to gRPC INVALID_ARGUMENT / HTTP 400."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
-
-
-@dataclass(frozen=True)
-class ValidSampling:
-    """Sampling parameters after validation, with server defaults applied."""
-
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = -1  # -1: disabled
-    max_tokens: int = 16
-    min_tokens: int = 0
-    seed: int | None = None
-    stop: tuple[str, ...] = ()
-    stop_token_ids: tuple[int, ...] = ()
-    ignore_eos: bool = False
-    logprobs: int | None = None
 
 
 def _number(field: str, value: float) -> float:
@@ -61,22 +37,23 @@ def validate_sampling(
     *,
     prompt_len: int,
     max_model_len: int,
-    default_max_tokens: int = 16,
-) -> ValidSampling:
+    default_max_tokens: int = DEFAULT_MAX_TOKENS,
+) -> Sampling:
     """Check `sp` against the rules below and fill in defaults; raise InvalidArgument."""
-    temperature = 1.0
+    d = Sampling()
+    temperature = d.temperature
     if sp.HasField("temperature"):
         temperature = _number("sampling.temperature", sp.temperature)
         if not 0.0 <= temperature <= 2.0:
             raise InvalidArgument("sampling.temperature", f"must be in [0, 2], got {temperature}")
 
-    top_p = 1.0
+    top_p = d.top_p
     if sp.HasField("top_p"):
         top_p = _number("sampling.top_p", sp.top_p)
         if not 0.0 < top_p <= 1.0:
             raise InvalidArgument("sampling.top_p", f"must be in (0, 1], got {top_p}")
 
-    top_k = -1
+    top_k = d.top_k
     if sp.HasField("top_k"):
         if sp.top_k < -1:
             raise InvalidArgument("sampling.top_k", f"must be >= -1, got {sp.top_k}")
@@ -121,7 +98,7 @@ def validate_sampling(
                 "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}"
             )
 
-    return ValidSampling(
+    return Sampling(
         temperature=temperature,
         top_p=top_p,
         top_k=top_k,

@@ -14,8 +14,10 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from dataclasses import asdict, dataclass, field
+from typing import TYPE_CHECKING
+
+from splitserve.kv.settings import ConnectorSettings
 
 if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -26,16 +28,6 @@ if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really buil
 log = logging.getLogger(__name__)
 
 KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
-
-
-def on_gpu() -> bool:
-    """True when a CUDA device is present (then `vllm` is the GPU build, and NCCL is used)."""
-    try:
-        import torch
-
-        return torch.cuda.is_available()
-    except ImportError:
-        return False
 
 
 @dataclass(frozen=True)
@@ -58,7 +50,7 @@ class EngineConfig:
     cpu_cores: str = "auto"
     # KV transfer: None = plain engine (colocated); else one of KV_ROLES with our connector.
     kv_role: str | None = None
-    kv_connector_config: dict[str, Any] = field(default_factory=dict)
+    kv_settings: ConnectorSettings = field(default_factory=ConnectorSettings)
     engine_id: str | None = None  # stable name of this engine in KV transfer handshakes
     # What a decode engine does when a KV pull fails: "recompute" prefills locally (the request
     # still succeeds, slower), "fail" ends it with finish reason "error".
@@ -80,6 +72,8 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
+    from splitserve.kv.control import EXTENSION
+
     kv_transfer = None
     if cfg.kv_role is not None:
         kv_transfer = KVTransferConfig(
@@ -87,7 +81,8 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
             kv_connector_module_path="splitserve.kv.connector",
             kv_role=cfg.kv_role,
             engine_id=cfg.engine_id,
-            kv_connector_extra_config=dict(cfg.kv_connector_config),
+            kv_connector_extra_config={k: v for k, v in asdict(cfg.kv_settings).items()
+                                       if v is not None},
             kv_load_failure_policy=cfg.kv_failure_policy,
         )
     return AsyncEngineArgs(
@@ -104,6 +99,8 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
         enforce_eager=cfg.enforce_eager,
         seed=cfg.seed,
         kv_transfer_config=kv_transfer,
+        # The worker server releases held KV and reads transfer states through the engine.
+        worker_extension_cls=EXTENSION if cfg.kv_role is not None else "",
         disable_log_stats=False,
     )
 

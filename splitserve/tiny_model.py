@@ -2,8 +2,9 @@
 
 `write_model(dir, preset, seed)` writes a Hugging Face model directory that vLLM and transformers
 both load: config.json, generation_config.json, bf16 safetensors and a locally trained tokenizer.
-Same preset and seed, same bytes. `default_model_dir()` generates it once into a cache directory
-and is what every `--model` flag falls back to.
+Same preset and seed, same bytes. `default_model_dir()` generates it once into the cache directory
+(models.py, which every `--model` flag goes through, runs `python -m splitserve.tiny_model PRESET`
+to do it without loading torch itself).
 
 Weights are drawn with a scale (std = 1/sqrt(fan_in), unit embeddings) that keeps activations
 O(1) through the layers, so logits are peaked and attention depends on context: greedy output is
@@ -16,8 +17,8 @@ import fcntl
 import json
 import logging
 import math
-import os
 import shutil
+import sys
 import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -25,6 +26,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
+from splitserve.models import preset_dir
 from splitserve.tiny_tokenizer import BOS_TOKEN, EOS_TOKEN, write_tokenizer
 
 log = logging.getLogger(__name__)
@@ -128,21 +130,14 @@ def write_model(out_dir: Path | str, preset: str = "tiny", seed: int = 0) -> Pat
     return out
 
 
-def cache_root() -> Path:
-    env = os.environ.get("SPLITSERVE_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "splitserve"
-
-
 def default_model_dir(preset: str = "tiny", seed: int = 0) -> Path:
     """The cached model for `preset`, generated on first use.
 
     Several processes may start at once (a local cluster), so generation happens under a file
     lock into a temp dir that is renamed into place: readers never see a half-written model.
     """
-    root = cache_root() / "models"
-    final = root / f"{preset}-seed{seed}"
+    final = preset_dir(preset, seed)
+    root = final.parent
     if (final / "config.json").exists():
         return final
     root.mkdir(parents=True, exist_ok=True)
@@ -160,15 +155,9 @@ def default_model_dir(preset: str = "tiny", seed: int = 0) -> Path:
     return final
 
 
-def resolve_model(model: str | None) -> str:
-    """A `--model` value: None or "tiny"/"bench" → the generated default; else a local dir."""
-    if model is None or model in PRESETS:
-        return str(default_model_dir(model or "tiny"))
-    path = Path(model).expanduser()
-    if not (path / "config.json").exists():
-        raise ValueError(f"--model {model!r}: not a Hugging Face model directory (no config.json)")
-    return str(path)
-
-
 def _write_json(path: Path, obj: dict) -> None:
     path.write_text(json.dumps(obj, indent=2, sort_keys=True) + "\n")
+
+
+if __name__ == "__main__":  # models.resolve_model's way to generate without loading torch itself
+    print(default_model_dir(*sys.argv[1:2]))

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import yaml
 
-from splitserve.cli import build_parser
+from deploy.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -112,20 +112,21 @@ def test_worker_and_registry_messages():
         worker_pb2_grpc,
     )
 
-    kv = common_pb2.KvTransferParams(
+    kv = common_pb2.KvTicket(
+        transfer_id="t1",
         engine_id="e0",
         host="10.0.0.1",
         port=5555,
         block_ids=[3, 4],
         num_tokens=200,
-        transfer_id="t1",
-        extra={"layout": "LBHNC"},
+        lease_expires_at=1.5e9,
+        spec_fingerprint="abc",
     )
     dec = worker_pb2.DecodeRequest(request_id="r", prompt_token_ids=[1, 2, 3])
-    assert not dec.HasField("kv_transfer_params")  # absent = local prefill
-    dec.kv_transfer_params.CopyFrom(kv)
+    assert not dec.HasField("ticket")  # absent = local prefill
+    dec.ticket.CopyFrom(kv)
     decoded = worker_pb2.DecodeRequest.FromString(dec.SerializeToString())
-    assert decoded.kv_transfer_params.extra["layout"] == "LBHNC"
+    assert decoded.ticket.spec_fingerprint == "abc"
 
     stats = worker_pb2.StatsResponse(
         role=registry_pb2.ROLE_DECODE, load=common_pb2.WorkerLoad(free_kv_blocks=7)

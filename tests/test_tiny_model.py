@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 from tokenizers import Tokenizer
 
-from splitserve.tiny_model import PRESETS, default_model_dir, resolve_model, write_model
+from splitserve import models
+from splitserve.models import resolve_model
+from splitserve.tiny_model import PRESETS, default_model_dir, write_model
 
 
 def _files(d: Path) -> dict[str, bytes]:
@@ -67,6 +69,19 @@ def test_default_model_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     assert (first / "model.safetensors").stat().st_mtime_ns == mtime
     assert resolve_model(None) == str(first)
     assert not list(first.parent.glob(".tmp-*"))  # no temp dirs left behind
+
+
+def test_resolve_model_generates_a_missing_preset_in_a_child(tmp_path: Path,
+                                                             monkeypatch: pytest.MonkeyPatch
+                                                             ) -> None:
+    """The router resolves its model too, and must not load torch doing it."""
+    monkeypatch.setenv("SPLITSERVE_CACHE_DIR", str(tmp_path))
+    path = Path(resolve_model("tiny"))
+    assert path == models.preset_dir("tiny") and (path / "model.safetensors").exists()
+
+
+def test_preset_names_agree() -> None:
+    assert set(models.PRESETS) == set(PRESETS)
 
 
 def test_resolve_model_rejects_non_model_dir(tmp_path: Path) -> None:

@@ -74,15 +74,23 @@ async def collect(engine, prompt_ids: list[int], params, request_id: str):
 
 
 async def disagg_greedy(prefill, decode, ids: list[int], max_tokens: int, request_id: str,
-                        decode_params: dict | None = None) -> tuple[list[int], str | None]:
-    """Prefill on one engine, pull the KV into the other, decode there: the pull protocol."""
+                        decode_params: dict | None = None, rewrite=None
+                        ) -> tuple[list[int], str | None]:
+    """Prefill on one engine, pull the KV into the other, decode there: the pull protocol.
+    `rewrite(ticket)` changes the ticket on its way; `decode_params` adds keys (fault injection)."""
     from vllm import SamplingParams
 
+    from splitserve.kv.ticket import KVTicket, produce_params
+
     p = SamplingParams(temperature=0.0, max_tokens=1,
-                       extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+                       extra_args={"kv_transfer_params": produce_params(f"{request_id}-t")})
     out = await collect(prefill, ids, p, f"{request_id}-p")
     first = out.outputs[0].token_ids[0]
-    kv = {**out.kv_transfer_params, **(decode_params or {})}
+    ticket = KVTicket.from_vllm(out.kv_transfer_params)
+    assert ticket.transfer_id == f"{request_id}-t"  # the caller's id names the transfer
+    if rewrite is not None:
+        ticket = rewrite(ticket)
+    kv = {**ticket.to_vllm(), **(decode_params or {})}
     d = SamplingParams(temperature=0.0, max_tokens=max_tokens - 1,
                        extra_args={"kv_transfer_params": kv})
     out = await collect(decode, ids + [first], d, f"{request_id}-d")

@@ -11,9 +11,11 @@ Lifecycle of one load here:
 Every job ends in take_results(), success or not: a parked request whose id never comes back
 would hold its blocks forever.
 
-Connections are per producer address and reused; a failed connection (and its pair channel) is
-dropped and the next job to that producer handshakes afresh. Jobs to different producers run in
-parallel, jobs to one producer in order.
+One connection per producer address, made on first use and reused; a failed connection (and its
+pair channel) is dropped and the next job to that producer handshakes afresh. Each connection has
+its own lock, taken for the connect as well as for each transfer: jobs to one producer run in
+order, and a slow or dead producer (a connect or handshake waiting out its timeout) never delays
+jobs to any other.
 """
 
 from __future__ import annotations
@@ -31,8 +33,10 @@ import torch
 
 from splitserve.kv import blocks
 from splitserve.kv.pair_channel import CONSUMER_RANK, PairChannel, TransferError, connect_store
+from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.spec import KVSpec
 from splitserve.kv.stats import TransferStats
+from splitserve.kv.ticket import KVTicket
 from splitserve.kv.wire import WireError, auth_proof, recv_msg, send_msg
 
 log = logging.getLogger(__name__)
@@ -45,12 +49,9 @@ class IncompatiblePeer(TransferError):
 @dataclass(frozen=True, slots=True)
 class PullJob:
     req_id: str  # this engine's internal request id (reported back to vLLM)
-    transfer_id: str  # the producer's key for the held blocks
-    host: str
-    port: int
-    engine_id: str | None  # the producer we expect to reach at host:port
+    ticket: KVTicket
     local_block_ids: list[int]
-    remote_block_ids: list[int]  # same length, position for position
+    remote_block_ids: list[int]  # same length, position for position; a subset of the ticket's
     corrupt: bool = False  # fault injection (tests): flip the received bytes
 
 
@@ -62,29 +63,42 @@ class LoadResult:
     error: str | None = None
 
 
-class _Peer:
+class _Conn:
+    """A handshaken side-channel socket and its pair channel."""
+
     def __init__(self, sock: socket.socket, chan: PairChannel) -> None:
         self.sock, self.chan = sock, chan
-        self.lock = threading.Lock()
 
     def close(self) -> None:
         self.chan.close()
         self.sock.close()
 
 
+class _Peer:
+    """One producer address. `lock` serialises the connect and each transfer on it."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.lock = threading.Lock()
+        self.conn: _Conn | None = None
+
+    def drop(self) -> None:  # caller holds `lock`
+        if self.conn is not None:
+            self.conn.close()
+            self.conn = None
+
+
 class Consumer:
-    def __init__(self, engine_id: str, host: str, timeout_s: float, secret: str | None,
-                 stats: TransferStats, max_workers: int = 4) -> None:
+    def __init__(self, engine_id: str, settings: ConnectorSettings, stats: TransferStats,
+                 max_workers: int = 4) -> None:
         self.engine_id = engine_id
-        self.host = host
-        self.timeout_s = timeout_s
-        self.secret = secret
+        self.settings = settings
         self.stats = stats
         self._kv: dict[str, torch.Tensor] = {}
         self._spec: KVSpec | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-pull")
         self._peers: dict[tuple[str, int], _Peer] = {}
-        self._peers_lock = threading.Lock()
+        self._peers_lock = threading.Lock()  # guards the dict only, never held across I/O
         self._results: list[LoadResult] = []
         self._results_lock = threading.Lock()
         self._tags = itertools.count(1)
@@ -95,17 +109,18 @@ class Consumer:
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
         with self._peers_lock:
-            for peer in self._peers.values():
-                peer.close()
-            self._peers.clear()
+            peers, self._peers = list(self._peers.values()), {}
+        for peer in peers:
+            if peer.conn is not None:
+                peer.conn.close()
 
     # -- called from the connector's worker half (engine thread) -----------------------------
     def submit(self, job: PullJob) -> None:
         self._pool.submit(self._run, job)
 
-    def release(self, transfer_id: str, host: str, port: int, engine_id: str | None) -> None:
-        """Tell the producer we will not pull `transfer_id` (best effort; its lease is the net)."""
-        self._pool.submit(self._release, transfer_id, host, port, engine_id)
+    def release(self, ticket: KVTicket) -> None:
+        """Tell the producer we will not pull (best effort; its lease is the net)."""
+        self._pool.submit(self._release, ticket)
 
     def take_results(self) -> list[LoadResult]:
         with self._results_lock:
@@ -115,12 +130,13 @@ class Consumer:
     # -- pool threads ------------------------------------------------------------------------
     def _run(self, job: PullJob) -> None:
         t0 = time.perf_counter()
+        tk = job.ticket
         try:
             nbytes = self._pull(job)
         except Exception as e:  # any failure must still come back as a result
             self.stats.record_failure()
             log.warning("KV load for %s (transfer %s from %s:%d) failed: %s", job.req_id,
-                        job.transfer_id, job.host, job.port, e)
+                        tk.transfer_id, tk.host, tk.port, e)
             self._finish(LoadResult(job.req_id, False, job.local_block_ids, str(e)))
         else:
             self.stats.record_transfer(nbytes, time.perf_counter() - t0)
@@ -132,26 +148,34 @@ class Consumer:
 
     def _pull(self, job: PullJob) -> int:
         assert len(job.local_block_ids) == len(job.remote_block_ids)
-        peer = self._peer(job.host, job.port, job.engine_id)
+        assert self._spec is not None
+        tk = job.ticket
+        peer = self._peer(tk)
         with peer.lock:
+            conn = self._connected(peer, tk)
+            if tk.spec_fingerprint and tk.spec_fingerprint != self._spec.fingerprint():
+                # The handshake passed, so this producer's cache matches ours: the ticket was
+                # issued by another incarnation at this address. Its block ids mean nothing here.
+                raise IncompatiblePeer(f"ticket {tk.transfer_id} names a KV cache with spec "
+                                       f"{tk.spec_fingerprint}, ours is {self._spec.fingerprint()}")
             try:
                 tag = next(self._tags)
-                send_msg(peer.sock, {"op": "pull", "transfer_id": job.transfer_id,
+                send_msg(conn.sock, {"op": "pull", "transfer_id": tk.transfer_id,
                                      "block_ids": job.remote_block_ids, "tag": tag})
-                reply = recv_msg(peer.sock)
+                reply = recv_msg(conn.sock)
                 if not reply.get("ok"):
                     # The producer refused this transfer; the connection itself is fine.
                     raise TransferError(f"producer refused: {reply.get('error')}")
                 n = len(job.local_block_ids)
                 nbytes = int(reply["nbytes"])
                 if nbytes != blocks.staging_bytes(self._kv, n):
-                    peer.chan.close()  # out of step with the producer: start a fresh pair
+                    conn.chan.close()  # out of step with the producer: start a fresh pair
                     raise TransferError(f"producer announced {nbytes} bytes for {n} blocks")
-                raw = peer.chan.staging(nbytes)
-                peer.chan.recv(raw, tag)
+                raw = conn.chan.staging(nbytes)
+                conn.chan.recv(raw, tag)
             except (WireError, TransferError) as e:
-                if not isinstance(e, TransferError) or peer.chan.closed:
-                    self._drop(job.host, job.port, peer)
+                if not isinstance(e, TransferError) or conn.chan.closed:
+                    peer.drop()
                 raise
             if job.corrupt:
                 raw.bitwise_xor_(0x5A)
@@ -159,52 +183,54 @@ class Consumer:
             blocks.scatter(blocks.staging_view(raw, self._kv, n), self._kv, job.local_block_ids)
         return nbytes
 
-    def _release(self, transfer_id: str, host: str, port: int, engine_id: str | None) -> None:
+    def _release(self, tk: KVTicket) -> None:
         try:
-            peer = self._peer(host, port, engine_id)
+            peer = self._peer(tk)
             with peer.lock:
-                send_msg(peer.sock, {"op": "release", "transfer_id": transfer_id})
-                recv_msg(peer.sock)
+                conn = self._connected(peer, tk)
+                try:
+                    send_msg(conn.sock, {"op": "release", "transfer_id": tk.transfer_id})
+                    recv_msg(conn.sock)
+                except WireError:
+                    peer.drop()
+                    raise
         except Exception as e:
             log.info("release of transfer %s at %s:%d failed (%s); its lease will expire",
-                     transfer_id, host, port, e)
+                     tk.transfer_id, tk.host, tk.port, e)
 
-    def _peer(self, host: str, port: int, engine_id: str | None) -> _Peer:
+    def _peer(self, tk: KVTicket) -> _Peer:
         with self._peers_lock:
-            peer = self._peers.get((host, port))
-            if peer is None:
-                peer = self._connect(host, port, engine_id)
-                self._peers[(host, port)] = peer
-            return peer
+            return self._peers.setdefault((tk.host, tk.port), _Peer(tk.host, tk.port))
 
-    def _drop(self, host: str, port: int, peer: _Peer) -> None:
-        with self._peers_lock:
-            if self._peers.get((host, port)) is peer:
-                del self._peers[(host, port)]
-        peer.close()
+    def _connected(self, peer: _Peer, tk: KVTicket) -> _Conn:
+        """The peer's connection, made now if it has none (caller holds `peer.lock`)."""
+        if peer.conn is None:
+            peer.conn = self._connect(peer.host, peer.port, tk.engine_id)
+        return peer.conn
 
-    def _connect(self, host: str, port: int, engine_id: str | None) -> _Peer:
+    def _connect(self, host: str, port: int, engine_id: str | None) -> _Conn:
         assert self._spec is not None
+        s = self.settings
         try:
-            sock = socket.create_connection((host, port), timeout=self.timeout_s)
+            sock = socket.create_connection((host, port), timeout=s.timeout_s)
         except OSError as e:
             raise TransferError(f"cannot reach KV producer at {host}:{port}: {e}") from e
         try:
             challenge = recv_msg(sock)
             pair_key = f"{challenge.get('engine_id')}/{self.engine_id}/{uuid.uuid4().hex}"
             send_msg(sock, {"op": "hello", "engine_id": self.engine_id, "pair_key": pair_key,
-                            "expect_engine_id": engine_id, "spec": self._spec.to_dict(),
-                            "proof": auth_proof(self.secret, challenge["challenge"])
-                            if self.secret else ""})
+                            "expect_engine_id": engine_id or None, "spec": self._spec.to_dict(),
+                            "proof": auth_proof(s.secret, challenge["challenge"])
+                            if s.secret else ""})
             reply = recv_msg(sock)
             if not reply.get("ok"):
                 raise IncompatiblePeer(
                     f"KV producer at {host}:{port} refused: {reply.get('error')}")
-            store = connect_store(host, int(reply["store_port"]), self.timeout_s)
+            store = connect_store(host, int(reply["store_port"]), s.timeout_s)
             device = next(iter(self._kv.values())).device
-            chan = PairChannel(store, pair_key, CONSUMER_RANK, device, self.timeout_s, self.host)
+            chan = PairChannel(store, pair_key, CONSUMER_RANK, device, s.timeout_s, s.host)
         except BaseException:
             sock.close()
             raise
         log.info("KV pair channel %s up", pair_key)
-        return _Peer(sock, chan)
+        return _Conn(sock, chan)

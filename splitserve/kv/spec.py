@@ -6,6 +6,8 @@ mean must match exactly: the model, the cache dtype, block size, layout, layer c
 
 from __future__ import annotations
 
+import hashlib
+import json
 from dataclasses import asdict, dataclass, fields
 
 import torch
@@ -34,6 +36,12 @@ class KVSpec:
         if missing:
             raise ValueError(f"peer KV spec lacks {sorted(missing)}")
         return cls(**{k: d[k] for k in names})
+
+    def fingerprint(self) -> str:
+        """A short digest of everything that gives the bytes their meaning. Tickets carry it,
+        so a consumer can tell a foreign cache before it pulls a byte."""
+        canon = json.dumps(self.to_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(canon.encode()).hexdigest()[:16]
 
     def differences(self, other: KVSpec) -> list[str]:
         """Human-readable mismatches, e.g. ["block_size: ours 128, peer's 64"]."""

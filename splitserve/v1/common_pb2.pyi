@@ -2,7 +2,7 @@ from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from collections.abc import Iterable as _Iterable
 from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
@@ -69,44 +69,39 @@ class Timings(_message.Message):
     def __init__(self, queue_s: _Optional[float] = ..., prefill_s: _Optional[float] = ..., transfer_s: _Optional[float] = ..., decode_s: _Optional[float] = ..., ttft_s: _Optional[float] = ..., e2e_s: _Optional[float] = ...) -> None: ...
 
 class WorkerLoad(_message.Message):
-    __slots__ = ("queue_len", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "prefix_cache_hit_rate", "held_kv_blocks")
+    __slots__ = ("queue_len", "running", "waiting", "free_kv_blocks", "total_kv_blocks", "held_kv_blocks", "held_kv_transfers")
     QUEUE_LEN_FIELD_NUMBER: _ClassVar[int]
     RUNNING_FIELD_NUMBER: _ClassVar[int]
     WAITING_FIELD_NUMBER: _ClassVar[int]
     FREE_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     TOTAL_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
-    PREFIX_CACHE_HIT_RATE_FIELD_NUMBER: _ClassVar[int]
     HELD_KV_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HELD_KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     queue_len: int
     running: int
     waiting: int
     free_kv_blocks: int
     total_kv_blocks: int
-    prefix_cache_hit_rate: float
     held_kv_blocks: int
-    def __init__(self, queue_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., prefix_cache_hit_rate: _Optional[float] = ..., held_kv_blocks: _Optional[int] = ...) -> None: ...
+    held_kv_transfers: int
+    def __init__(self, queue_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., held_kv_blocks: _Optional[int] = ..., held_kv_transfers: _Optional[int] = ...) -> None: ...
 
-class KvTransferParams(_message.Message):
-    __slots__ = ("engine_id", "host", "port", "block_ids", "num_tokens", "transfer_id", "extra")
-    class ExtraEntry(_message.Message):
-        __slots__ = ("key", "value")
-        KEY_FIELD_NUMBER: _ClassVar[int]
-        VALUE_FIELD_NUMBER: _ClassVar[int]
-        key: str
-        value: str
-        def __init__(self, key: _Optional[str] = ..., value: _Optional[str] = ...) -> None: ...
+class KvTicket(_message.Message):
+    __slots__ = ("transfer_id", "engine_id", "host", "port", "block_ids", "num_tokens", "lease_expires_at", "spec_fingerprint")
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
     PORT_FIELD_NUMBER: _ClassVar[int]
     BLOCK_IDS_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
-    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
-    EXTRA_FIELD_NUMBER: _ClassVar[int]
+    LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
     engine_id: str
     host: str
     port: int
     block_ids: _containers.RepeatedScalarFieldContainer[int]
     num_tokens: int
-    transfer_id: str
-    extra: _containers.ScalarMap[str, str]
-    def __init__(self, engine_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., transfer_id: _Optional[str] = ..., extra: _Optional[_Mapping[str, str]] = ...) -> None: ...
+    lease_expires_at: float
+    spec_fingerprint: str
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., spec_fingerprint: _Optional[str] = ...) -> None: ...

@@ -26,31 +26,35 @@ from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 from splitserve.v1 import registry_pb2 as splitserve_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1csplitserve/v1/registry.proto\"\x84\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\"\xaf\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12 \n\x13\x66irst_token_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12;\n\x12kv_transfer_params\x18\x03 \x01(\x0b\x32\x1f.splitserve.v1.KvTransferParams\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x03\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x01\x88\x01\x01\x42\x16\n\x14_first_token_logprobB\x10\n\x0e_finish_reason\"\xc7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12@\n\x12kv_transfer_params\x18\x04 \x01(\x0b\x32\x1f.splitserve.v1.KvTransferParamsH\x00\x88\x01\x01\x42\x15\n\x13_kv_transfer_params\"\xa9\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x00\x88\x01\x01\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.TimingsB\x10\n\x0e_finish_reason\"\"\n\x0c\x41\x62ortRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\x1e\n\rAbortResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\"\x0e\n\x0cStatsRequest\"}\n\rStatsResponse\x12\'\n\x04load\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t2\xe1\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponse2\xdf\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05\x41\x62ort\x12\x1b.splitserve.v1.AbortRequest\x1a\x1c.splitserve.v1.AbortResponse\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1csplitserve/v1/registry.proto\"\x84\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\"\x9b\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12 \n\x13\x66irst_token_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x06ticket\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.KvTicket\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x03\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x01\x88\x01\x01\x42\x16\n\x14_first_token_logprobB\x10\n\x0e_finish_reason\"\xa7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12,\n\x06ticket\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvTicketH\x00\x88\x01\x01\x42\t\n\x07_ticket\"\xa9\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x00\x88\x01\x01\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.TimingsB\x10\n\x0e_finish_reason\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\x0e\n\x0cStatsRequest\"\xf6\x01\n\rStatsResponse\x12\'\n\x04load\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x43\n\x0ckv_transfers\x18\x05 \x03(\x0b\x32-.splitserve.v1.StatsResponse.KvTransfersEntry\x1a\x32\n\x10KvTransfersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xe7\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponse2\x9b\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.worker_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._loaded_options = None
+  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._serialized_options = b'8\001'
   _globals['_PREFILLREQUEST']._serialized_start=104
   _globals['_PREFILLREQUEST']._serialized_end=236
   _globals['_PREFILLRESPONSE']._serialized_start=239
-  _globals['_PREFILLRESPONSE']._serialized_end=542
-  _globals['_DECODEREQUEST']._serialized_start=545
-  _globals['_DECODEREQUEST']._serialized_end=744
-  _globals['_DECODERESPONSE']._serialized_start=747
-  _globals['_DECODERESPONSE']._serialized_end=916
-  _globals['_ABORTREQUEST']._serialized_start=918
-  _globals['_ABORTREQUEST']._serialized_end=952
-  _globals['_ABORTRESPONSE']._serialized_start=954
-  _globals['_ABORTRESPONSE']._serialized_end=984
-  _globals['_STATSREQUEST']._serialized_start=986
-  _globals['_STATSREQUEST']._serialized_end=1000
-  _globals['_STATSRESPONSE']._serialized_start=1002
-  _globals['_STATSRESPONSE']._serialized_end=1127
-  _globals['_PREFILLWORKER']._serialized_start=1130
-  _globals['_PREFILLWORKER']._serialized_end=1355
-  _globals['_DECODEWORKER']._serialized_start=1358
-  _globals['_DECODEWORKER']._serialized_end=1581
+  _globals['_PREFILLRESPONSE']._serialized_end=522
+  _globals['_DECODEREQUEST']._serialized_start=525
+  _globals['_DECODEREQUEST']._serialized_end=692
+  _globals['_DECODERESPONSE']._serialized_start=695
+  _globals['_DECODERESPONSE']._serialized_end=864
+  _globals['_RELEASEREQUEST']._serialized_start=866
+  _globals['_RELEASEREQUEST']._serialized_end=903
+  _globals['_RELEASERESPONSE']._serialized_start=905
+  _globals['_RELEASERESPONSE']._serialized_end=937
+  _globals['_STATSREQUEST']._serialized_start=939
+  _globals['_STATSREQUEST']._serialized_end=953
+  _globals['_STATSRESPONSE']._serialized_start=956
+  _globals['_STATSRESPONSE']._serialized_end=1202
+  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._serialized_start=1152
+  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._serialized_end=1202
+  _globals['_PREFILLWORKER']._serialized_start=1205
+  _globals['_PREFILLWORKER']._serialized_end=1436
+  _globals['_DECODEWORKER']._serialized_start=1439
+  _globals['_DECODEWORKER']._serialized_end=1594
 # @@protoc_insertion_point(module_scope)

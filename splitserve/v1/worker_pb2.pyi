@@ -21,32 +21,32 @@ class PrefillRequest(_message.Message):
     def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., transfer_id: _Optional[str] = ...) -> None: ...
 
 class PrefillResponse(_message.Message):
-    __slots__ = ("first_token_id", "first_token_logprob", "kv_transfer_params", "timings", "num_prompt_tokens", "finish_reason")
+    __slots__ = ("first_token_id", "first_token_logprob", "ticket", "timings", "num_prompt_tokens", "finish_reason")
     FIRST_TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
     FIRST_TOKEN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     TIMINGS_FIELD_NUMBER: _ClassVar[int]
     NUM_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     first_token_id: int
     first_token_logprob: float
-    kv_transfer_params: _common_pb2.KvTransferParams
+    ticket: _common_pb2.KvTicket
     timings: _common_pb2.Timings
     num_prompt_tokens: int
     finish_reason: _common_pb2.FinishReason
-    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
+    def __init__(self, first_token_id: _Optional[int] = ..., first_token_logprob: _Optional[float] = ..., ticket: _Optional[_Union[_common_pb2.KvTicket, _Mapping]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ..., num_prompt_tokens: _Optional[int] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ...) -> None: ...
 
 class DecodeRequest(_message.Message):
-    __slots__ = ("request_id", "prompt_token_ids", "sampling", "kv_transfer_params")
+    __slots__ = ("request_id", "prompt_token_ids", "sampling", "ticket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
-    KV_TRANSFER_PARAMS_FIELD_NUMBER: _ClassVar[int]
+    TICKET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt_token_ids: _containers.RepeatedScalarFieldContainer[int]
     sampling: _common_pb2.SamplingParams
-    kv_transfer_params: _common_pb2.KvTransferParams
-    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., kv_transfer_params: _Optional[_Union[_common_pb2.KvTransferParams, _Mapping]] = ...) -> None: ...
+    ticket: _common_pb2.KvTicket
+    def __init__(self, request_id: _Optional[str] = ..., prompt_token_ids: _Optional[_Iterable[int]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., ticket: _Optional[_Union[_common_pb2.KvTicket, _Mapping]] = ...) -> None: ...
 
 class DecodeResponse(_message.Message):
     __slots__ = ("token_ids", "logprobs", "finish_reason", "timings")
@@ -60,30 +60,39 @@ class DecodeResponse(_message.Message):
     timings: _common_pb2.Timings
     def __init__(self, token_ids: _Optional[_Iterable[int]] = ..., logprobs: _Optional[_Iterable[float]] = ..., finish_reason: _Optional[_Union[_common_pb2.FinishReason, str]] = ..., timings: _Optional[_Union[_common_pb2.Timings, _Mapping]] = ...) -> None: ...
 
-class AbortRequest(_message.Message):
-    __slots__ = ("request_id",)
-    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
-    request_id: str
-    def __init__(self, request_id: _Optional[str] = ...) -> None: ...
+class ReleaseRequest(_message.Message):
+    __slots__ = ("transfer_id",)
+    TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
+    transfer_id: str
+    def __init__(self, transfer_id: _Optional[str] = ...) -> None: ...
 
-class AbortResponse(_message.Message):
-    __slots__ = ("found",)
-    FOUND_FIELD_NUMBER: _ClassVar[int]
-    found: bool
-    def __init__(self, found: _Optional[bool] = ...) -> None: ...
+class ReleaseResponse(_message.Message):
+    __slots__ = ("state",)
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    def __init__(self, state: _Optional[str] = ...) -> None: ...
 
 class StatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("load", "role", "model", "engine_id")
+    __slots__ = ("load", "role", "model", "engine_id", "kv_transfers")
+    class KvTransfersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
     LOAD_FIELD_NUMBER: _ClassVar[int]
     ROLE_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
+    KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     load: _common_pb2.WorkerLoad
     role: _registry_pb2.Role
     model: str
     engine_id: str
-    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., role: _Optional[_Union[_registry_pb2.Role, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ...) -> None: ...
+    kv_transfers: _containers.ScalarMap[str, int]
+    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., role: _Optional[_Union[_registry_pb2.Role, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., kv_transfers: _Optional[_Mapping[str, int]] = ...) -> None: ...

@@ -26,7 +26,9 @@ if _version_not_supported:
 
 
 class PrefillWorkerStub:
-    """Missing associated documentation comment in .proto file."""
+    """Cancelling a Prefill or Decode call aborts the request on the worker (its
+    KV blocks are freed); there is no separate Abort.
+    """
 
     def __init__(self, channel):
         """Constructor.
@@ -39,10 +41,10 @@ class PrefillWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/splitserve.v1.PrefillWorker/Abort',
-                request_serializer=splitserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+        self.Release = channel.unary_unary(
+                '/splitserve.v1.PrefillWorker/Release',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
                 _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/splitserve.v1.PrefillWorker/Stats',
@@ -52,18 +54,23 @@ class PrefillWorkerStub:
 
 
 class PrefillWorkerServicer:
-    """Missing associated documentation comment in .proto file."""
+    """Cancelling a Prefill or Decode call aborts the request on the worker (its
+    KV blocks are freed); there is no separate Abort.
+    """
 
     def Prefill(self, request, context):
         """Runs the prompt (max_tokens=1), keeps the KV blocks under a lease and
-        returns the first token plus where to pull the KV cache from.
+        returns the first token plus the ticket to pull the KV cache with.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
+    def Release(self, request, context):
+        """Frees the KV held for a transfer the router will not decode (stop string
+        on the first token, client gone, deadline, Decode failed before pulling).
+        Idempotent, and safe to send before the hold began: it is remembered.
+        """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -82,10 +89,10 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.PrefillRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.PrefillResponse.SerializeToString,
             ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
+            'Release': grpc.unary_unary_rpc_method_handler(
+                    servicer.Release,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -101,7 +108,9 @@ def add_PrefillWorkerServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class PrefillWorker:
-    """Missing associated documentation comment in .proto file."""
+    """Cancelling a Prefill or Decode call aborts the request on the worker (its
+    KV blocks are freed); there is no separate Abort.
+    """
 
     @staticmethod
     def Prefill(request,
@@ -131,7 +140,7 @@ class PrefillWorker:
             _registered_method=True)
 
     @staticmethod
-    def Abort(request,
+    def Release(request,
             target,
             options=(),
             channel_credentials=None,
@@ -144,9 +153,9 @@ class PrefillWorker:
         return grpc.experimental.unary_unary(
             request,
             target,
-            '/splitserve.v1.PrefillWorker/Abort',
-            splitserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            splitserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
+            '/splitserve.v1.PrefillWorker/Release',
+            splitserve_dot_v1_dot_worker__pb2.ReleaseRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.ReleaseResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -199,11 +208,6 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
-        self.Abort = channel.unary_unary(
-                '/splitserve.v1.DecodeWorker/Abort',
-                request_serializer=splitserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-                response_deserializer=splitserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
-                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/Stats',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -215,15 +219,9 @@ class DecodeWorkerServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Decode(self, request, context):
-        """Pulls the KV cache (or prefills locally when kv_transfer_params is
-        absent) and streams generated tokens.
+        """Pulls the KV cache with the ticket (or prefills locally when the ticket
+        is absent) and streams generated tokens.
         """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
-    def Abort(self, request, context):
-        """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
@@ -241,11 +239,6 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
-            ),
-            'Abort': grpc.unary_unary_rpc_method_handler(
-                    servicer.Abort,
-                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.AbortRequest.FromString,
-                    response_serializer=splitserve_dot_v1_dot_worker__pb2.AbortResponse.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -280,33 +273,6 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/Decode',
             splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def Abort(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_unary(
-            request,
-            target,
-            '/splitserve.v1.DecodeWorker/Abort',
-            splitserve_dot_v1_dot_worker__pb2.AbortRequest.SerializeToString,
-            splitserve_dot_v1_dot_worker__pb2.AbortResponse.FromString,
             options,
             channel_credentials,
             insecure,

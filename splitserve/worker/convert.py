@@ -11,6 +11,7 @@ from typing import Any
 from vllm import SamplingParams
 from vllm.sampling_params import RequestOutputKind
 
+from splitserve.sampling import Sampling
 from splitserve.v1 import common_pb2
 
 
@@ -22,21 +23,20 @@ def sampling_to_vllm(sp: common_pb2.SamplingParams, *, max_tokens: int | None = 
     Stop strings are the router's job (it sees the detokenised text across both workers), so
     they are not passed to vLLM; stop token ids are.
     """
-    extra = {"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None
+    s = Sampling.from_proto(sp)
     return SamplingParams(
-        temperature=sp.temperature if sp.HasField("temperature") else 1.0,
-        top_p=sp.top_p if sp.HasField("top_p") else 1.0,
-        top_k=(sp.top_k or -1) if sp.HasField("top_k") else -1,
-        max_tokens=max_tokens if max_tokens is not None else
-        (sp.max_tokens if sp.HasField("max_tokens") else 16),
-        min_tokens=min_tokens if min_tokens is not None else sp.min_tokens,
-        seed=sp.seed if sp.HasField("seed") else None,
-        stop_token_ids=list(sp.stop_token_ids),
-        ignore_eos=sp.ignore_eos,
-        logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        max_tokens=s.max_tokens if max_tokens is None else max_tokens,
+        min_tokens=s.min_tokens if min_tokens is None else min_tokens,
+        seed=s.seed,
+        stop_token_ids=list(s.stop_token_ids),
+        ignore_eos=s.ignore_eos,
+        logprobs=s.logprobs,
         output_kind=RequestOutputKind.DELTA,
         detokenize=False,  # the router detokenises once, incrementally
-        extra_args=extra,
+        extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )
 
 
@@ -50,22 +50,6 @@ FINISH_REASONS = {
 
 def finish_reason_to_proto(reason: str | None) -> int:
     return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
-
-
-# vLLM-side params (see splitserve/kv/connector.py) ↔ the proto the router carries opaquely.
-def kv_params_to_proto(p: dict[str, Any]) -> common_pb2.KvTransferParams:
-    return common_pb2.KvTransferParams(
-        engine_id=str(p.get("remote_engine_id") or ""), host=str(p["remote_host"]),
-        port=int(p["remote_port"]), block_ids=[int(b) for b in p["remote_block_ids"]],
-        num_tokens=int(p["remote_num_tokens"]), transfer_id=str(p["transfer_id"]),
-        extra={"lease_s": str(p.get("lease_s", ""))})
-
-
-def kv_params_from_proto(m: common_pb2.KvTransferParams) -> dict[str, Any]:
-    return {"do_remote_prefill": True, "transfer_id": m.transfer_id,
-            "remote_engine_id": m.engine_id or None, "remote_host": m.host,
-            "remote_port": m.port, "remote_block_ids": list(m.block_ids),
-            "remote_num_tokens": m.num_tokens}
 
 
 def first_logprob(output: Any) -> float | None:

@@ -48,6 +48,13 @@ class _Collector:
                       s.prefix_cache_queries)
         yield counter("splitserve:prefix_cache_hits", "Prefix cache hits (tokens)",
                       s.prefix_cache_hits)
+        kv = core.kv_transfers()  # prefill role; {} otherwise
+        yield gauge("splitserve:kv_held_transfers", "KV transfers held for a decode worker",
+                    kv.get("held", 0) + kv.get("claimed", 0))
+        yield gauge("splitserve:kv_held_blocks", "KV blocks held for a decode worker",
+                    kv.get("held_blocks", 0))
+        yield counter("splitserve:kv_released", "Held KV released unpulled (router or consumer)",
+                      kv.get("released", 0))
         t = s.transfers
         yield counter("splitserve:kv_transfers", "KV transfers completed", t.transfers)
         yield counter("splitserve:kv_transfer_bytes", "KV bytes transferred", t.bytes)
@@ -58,7 +65,7 @@ class _Collector:
 
 def start_metrics(core: WorkerCore, host: str, port: int) -> int:
     """Serve /metrics; returns the bound port (port 0 picks one)."""
-    labels = [core.served_model, core.cfg.role, core.cfg.engine.engine_id or ""]
+    labels = [core.served_model, core.cfg.role.value, core.cfg.engine.engine_id or ""]
     REGISTRY.register(_Collector(core, labels))
     seconds = Histogram("splitserve:kv_transfer_seconds", "Duration of one KV transfer",
                         LABELS, buckets=_TRANSFER_S).labels(*labels)

@@ -13,7 +13,7 @@ import logging
 import grpc
 
 from splitserve.v1 import registry_pb2, registry_pb2_grpc
-from splitserve.worker.core import ROLES, WorkerCore
+from splitserve.worker.core import WorkerCore
 
 log = logging.getLogger(__name__)
 
@@ -22,8 +22,8 @@ async def heartbeat_loop(core: WorkerCore, router: str, worker_id: str, address:
                          stop: asyncio.Event) -> None:
     cfg = core.cfg
     register = registry_pb2.RegisterRequest(
-        worker_id=worker_id, role=ROLES[cfg.role], grpc_address=address, model=core.served_model,
-        engine_id=cfg.engine.engine_id or "",
+        worker_id=worker_id, role=cfg.role.to_proto(), grpc_address=address,
+        model=core.served_model, engine_id=cfg.engine.engine_id or "",
         capacity=registry_pb2.WorkerCapacity(
             max_num_seqs=cfg.engine.max_num_seqs, total_kv_blocks=core.total_kv_blocks,
             block_size=cfg.engine.block_size, max_model_len=cfg.engine.max_model_len))

@@ -3,6 +3,9 @@
 Order matters for operators: the gRPC port (with health NOT_SERVING) is up before the engine
 starts loading, so probes and the router see a live-but-not-ready worker instead of a refused
 connection; the worker registers only once it can serve; SIGTERM drains before it exits.
+
+The role's own service comes from above (`AddServicer`, given by the composition layer), so this
+lifecycle knows no role package.
 """
 
 from __future__ import annotations
@@ -12,52 +15,61 @@ import json
 import logging
 import signal
 import sys
+import tempfile
 import time
 import uuid
+from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 
 import grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.engine import build_engine
-from splitserve.v1 import worker_pb2, worker_pb2_grpc
+from splitserve.health import set_serving
+from splitserve.roles import Role
 from splitserve.worker.core import Phase, WorkerConfig, WorkerCore
 from splitserve.worker.registration import heartbeat_loop
 
 log = logging.getLogger(__name__)
 
-
-def _servicers(core: WorkerCore, server: grpc.aio.Server) -> list[str]:
-    if core.cfg.role == "prefill":
-        from prefill_worker.servicer import PrefillServicer
-
-        worker_pb2_grpc.add_PrefillWorkerServicer_to_server(PrefillServicer(core), server)
-        return [worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name]
-    from decode_worker.servicer import DecodeServicer
-
-    worker_pb2_grpc.add_DecodeWorkerServicer_to_server(DecodeServicer(core), server)
-    return [worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name]
+# Adds the role's servicer to the server; returns the full names of the services it added.
+AddServicer = Callable[[WorkerCore, grpc.aio.Server], list[str]]
 
 
-async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
+async def serve(cfg: WorkerConfig, add_servicer: AddServicer,
+                ready_file: str | None = None) -> None:
     served = cfg.model_name or Path(cfg.engine.model).name
     engine_cfg = cfg.engine
     if engine_cfg.engine_id is None:
-        from dataclasses import replace
-
         engine_cfg = replace(engine_cfg, engine_id=f"{cfg.role}-{uuid.uuid4().hex[:8]}")
-        cfg = replace(cfg, engine=engine_cfg)
+    board = None
+    if cfg.role is Role.PREFILL and engine_cfg.kv_settings.status_file is None:
+        # Where the producer publishes what it holds (splitserve/kv/board.py); ours to remove.
+        board = Path(tempfile.gettempdir()) / f"splitserve-{engine_cfg.engine_id}.kvboard"
+        engine_cfg = replace(engine_cfg, kv_settings=replace(engine_cfg.kv_settings,
+                                                             status_file=str(board)))
+    try:
+        await _serve(replace(cfg, engine=engine_cfg), served, add_servicer, ready_file)
+    finally:
+        if board is not None:
+            board.unlink(missing_ok=True)
+
+
+async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
+                 ready_file: str | None) -> None:
+    engine_cfg = cfg.engine
     core = WorkerCore(cfg, served)
     server = grpc.aio.server()
-    names = _servicers(core, server)
+    names = add_servicer(core, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
     reflection.enable_server_reflection([*names, health.SERVICE_NAME,
                                          reflection.SERVICE_NAME], server)
     port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
     address = f"{cfg.advertise_host or cfg.host}:{port}"
-    await _set_health(health_servicer, names, serving=False)
+    await set_serving(health_servicer, names, False)
     await server.start()
     endpoints = {"grpc": address}
     if cfg.metrics_port is not None:
@@ -88,7 +100,7 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
     core.engine = engine = load.result()
     core.total_kv_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
     core.phase = Phase.SERVING
-    await _set_health(health_servicer, names, serving=True)
+    await set_serving(health_servicer, names, True)
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: ready in {time.monotonic() - t0:.1f} s "
               f"({core.total_kv_blocks} KV blocks)")
     if ready_file:
@@ -102,7 +114,7 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
 
     # Drain: stop taking work, let what is running finish (bounded), then go.
     core.phase = Phase.DRAINING
-    await _set_health(health_servicer, names, serving=False)
+    await set_serving(health_servicer, names, False)
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: draining {core.inflight} request(s)")
     if beats is not None:
         await beats
@@ -112,13 +124,6 @@ async def serve(cfg: WorkerConfig, ready_file: str | None = None) -> None:
     await server.stop(grace=1.0)
     engine.shutdown()
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: stopped")
-
-
-async def _set_health(h: health.aio.HealthServicer, names: list[str], serving: bool) -> None:
-    status = (health_pb2.HealthCheckResponse.SERVING if serving
-              else health_pb2.HealthCheckResponse.NOT_SERVING)
-    for name in ["", *names]:
-        await h.set(name, status)
 
 
 def _progress(msg: str) -> None:

@@ -5,8 +5,11 @@
   router R: static colocated worker C (the colocated-vLLM reference)
   router O: P0 + D0 with one slot and a one-deep queue (overload)
   router E: no workers; router K: P0 + D0 behind an API key
-After every test that uses it (`leak_check`) the workers are idle with every KV block free; at
-the end of the session no process survives.
+  router S: P0 + DS, a decode worker whose every Decode waits 60 s before reaching its engine
+            (a ticket the router holds stays unpulled while a test cancels or lets time run out)
+  router X: P0 + C listed as a decode worker (C refuses tickets: a Decode that fails unpulled)
+After every test that uses it (`leak_check`) the workers are idle with every KV block free and no
+KV held for a decode worker; at the end of the session no process survives.
 """
 
 from __future__ import annotations
@@ -16,10 +19,12 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.roles import Role
 from splitserve.v1 import generation_pb2
 from tests.e2e.cluster import ProcCluster
 
 API_KEY = "test-key"
+STALL_S = 60
 
 
 def wait_models(c: ProcCluster, router: str, prefill: int, decode: int) -> None:
@@ -39,15 +44,16 @@ def wait_models(c: ProcCluster, router: str, prefill: int, decode: int) -> None:
 def cl(tiny_model_dir: Path):
     c = ProcCluster(tiny_model_dir)
     try:
-        c.router("A", "--heartbeat-timeout-s", "3")
-        c.wait_ready(60)
-        a = c.procs[0].address
-        c.worker("P0", "prefill", 0, "--router", a)
-        c.worker("D0", "decode", 1, "--router", a)
-        c.worker("P1", "prefill", 0, "--router", a)
-        c.worker("D1", "decode", 1, "--router", a)
-        c.worker("C", "colocated", 0)
-        c.wait_ready()
+        a = c.router("A")
+        c.wait_ready([a], 60)
+        c.worker("P0", Role.PREFILL, 0, "--router", a.address)
+        c.worker("D0", Role.DECODE, 1, "--router", a.address)
+        c.worker("P1", Role.PREFILL, 0, "--router", a.address)
+        c.worker("D1", Role.DECODE, 1, "--router", a.address)
+        c.worker("C", Role.COLOCATED, 0)
+        c.worker("DS", Role.DECODE, 1, "--debug-stall-decode-s", str(STALL_S))
+        # Six engines loading at once on two cores take minutes (~2.5 each on an AVX2 host).
+        c.wait_ready(timeout_s=900)
         w = {p.name: p.address for p in c.procs}
         pd = ["--static-prefill", w["P0"], "--static-decode", w["D0"]]
         c.router("B", *pd)
@@ -55,10 +61,11 @@ def cl(tiny_model_dir: Path):
         c.router("O", *pd, "--max-concurrency", "1", "--max-queue", "1")
         c.router("E")
         c.router("K", *pd, "--api-key", API_KEY)
+        c.router("S", "--static-prefill", w["P0"], "--static-decode", w["DS"])
+        c.router("X", "--static-prefill", w["P0"], "--static-decode", w["C"])
         c.wait_ready()
-        c.by_name = {p.name: p for p in c.procs}
         wait_models(c, "A", prefill=2, decode=2)
-        for r in ("B", "O", "K"):
+        for r in ("B", "O", "K", "S", "X"):
             wait_models(c, r, prefill=1, decode=1)
         wait_models(c, "R", prefill=0, decode=1)
         yield c

@@ -20,7 +20,7 @@ def test_readme_run_command_starts_a_cluster_and_answers(tmp_path) -> None:
     argv = shlex.split(run)
     assert argv[0] == ".venv/bin/splitserve" and argv[1] == "up"
     env_cache = {"SPLITSERVE_CACHE_DIR": str(tmp_path)}  # the default model is generated anew
-    out = subprocess.run([sys.executable, "-m", "splitserve.cli", *argv[1:], "--grpc-port",
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", *argv[1:], "--grpc-port",
                           str(free_port()), "--http-port", "0"], cwd=ROOT,
                          capture_output=True, text=True,
                          timeout=600, env={**os.environ, **env_cache})

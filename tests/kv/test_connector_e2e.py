@@ -14,13 +14,16 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
+from bench.kv_producer import ProducerProc
 from splitserve.engine import EngineConfig, build_engine
 from splitserve.engine_stats import EngineMonitor
-from tests.kv.test_transport import ProducerProc
+from splitserve.kv.settings import ConnectorSettings
+from splitserve.kv.ticket import KVTicket, produce_params
 from tests.utils import (
     GOLDEN_LENGTHS,
     LoopThread,
@@ -44,16 +47,15 @@ class Cluster:
         self.monitors: dict[str, EngineMonitor] = {}
         self.engines = {}
         base = {"model": self.model, "dtype": "float32", "kv_cache_mib": 128}
-        kv = {"lease_s": LEASE_S, "timeout_s": TIMEOUT_S}
+        kv = ConnectorSettings(lease_s=LEASE_S, timeout_s=TIMEOUT_S)
         configs = {
-            "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P",
-                              kv_connector_config=kv),
+            "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P", kv_settings=kv),
             "PB": EngineConfig(**base, kv_role="kv_producer", engine_id="PB",
-                               kv_connector_config={**kv, "hold": "blocks"}),
+                               kv_settings=replace(kv, hold="blocks")),
             "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
-                              kv_connector_config={**kv, "allow_fault_injection": True}),
+                              kv_settings=replace(kv, allow_fault_injection=True)),
             "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
-                               kv_failure_policy="fail", kv_connector_config=kv),
+                               kv_failure_policy="fail", kv_settings=kv),
             "C": EngineConfig(**base),
         }
         for name, cfg in configs.items():
@@ -152,18 +154,18 @@ def test_unpulled_lease_expires_and_a_late_pull_recomputes(cluster: Cluster,
     (ids,) = make_prompts(Path(cluster.model), [260], seed=5)
     want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
     p = SamplingParams(temperature=0.0, max_tokens=1,
-                       extra_args={"kv_transfer_params": {"do_remote_decode": True}})
+                       extra_args={"kv_transfer_params": produce_params(f"lease-{producer}")})
     prod = cluster.engines[producer]
     out = cluster.run(collect(prod, ids, p, f"lease-{producer}"))
     held_at = time.monotonic()
     params = out.kv_transfer_params
-    assert len(params["remote_block_ids"]) == 3  # 260 tokens: 2 full blocks + partial
+    assert len(KVTicket.from_vllm(params).block_ids) == 3  # 260 tokens: 2 full + partial
     mon = cluster.monitors[producer]
     if producer == "PB":
         assert mon.snapshot().kv_cache_usage > 0  # vLLM's blocks held under the lease
     # Freed without anyone pulling: at once when copied out, at lease expiry otherwise.
     cluster.run(wait_idle(mon, timeout=LEASE_S + 10))
-    if producer == "PB":
+    if producer == "PB":  # a lower bound only: the lease must not end early (0.5 s: clocks)
         assert time.monotonic() - held_at >= LEASE_S - 0.5
     time.sleep(max(LEASE_S + 0.5 - (time.monotonic() - held_at), 0))
     # A decode that arrives too late is refused by the producer; policy "recompute" prefills
@@ -185,7 +187,7 @@ def test_failure_policy_fail_ends_the_request_with_error(cluster: Cluster) -> No
     # A transfer id the producer never held: refused after its registration wait.
     tokens, reason = cluster.run(disagg_greedy(
         cluster.P, cluster.DF, ids, MAX_TOKENS, "nohold",
-        decode_params={"transfer_id": "no-such-transfer"}))
+        rewrite=lambda t: replace(t, transfer_id="no-such-transfer")))
     assert reason == "error" and tokens[1:] == []
 
 
@@ -203,11 +205,9 @@ def test_producer_killed_mid_transfer(cluster: Cluster, tiny_model_dir: Path) ->
     try:
         fake.cmd(op="hold", transfer_id="doomed", block_ids=[1, 2])
         (ids,) = make_prompts(Path(cluster.model), [200], seed=7)
-        params = {"do_remote_prefill": True, "transfer_id": "doomed", "remote_engine_id": None,
-                  "remote_host": "127.0.0.1", "remote_port": fake.cfg["port"],
-                  "remote_block_ids": [1, 2], "remote_num_tokens": 200}
+        ticket = fake.ticket("doomed", [1, 2], num_tokens=200)  # same spec as the engines'
         d = SamplingParams(temperature=0.0, max_tokens=8,
-                           extra_args={"kv_transfer_params": params})
+                           extra_args={"kv_transfer_params": ticket.to_vllm()})
         fut = asyncio.run_coroutine_threadsafe(collect(cluster.DF, ids + [5], d, "doomed"),
                                                cluster.loop.loop)
         time.sleep(2.0)  # the pull is accepted and the producer stalls before sending
@@ -216,6 +216,8 @@ def test_producer_killed_mid_transfer(cluster: Cluster, tiny_model_dir: Path) ->
         fake.proc.kill()
         killed = time.monotonic()
         out = fut.result(timeout=TIMEOUT_S + 15)
+        # Bound: the decode engine learns of the dead peer within its 5 s transfer timeout;
+        # +5 s for engine steps on a loaded 2-core machine. A hang would take the whole wait.
         assert time.monotonic() - killed < TIMEOUT_S + 5
         assert out.outputs[0].finish_reason == "error"
     finally:

@@ -6,49 +6,21 @@ these tests run in seconds and can kill, stall or mismatch the producer at will.
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
+import signal
 import time
-from pathlib import Path
 
 import pytest
 import torch
 
+from bench.kv_producer import DEFAULTS, ProducerProc, caches_of
 from splitserve.kv.consumer import Consumer, LoadResult, PullJob
+from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
+from splitserve.kv.ticket import KVTicket, TransferId
 from splitserve.net import free_port
-from tests.kv.producer_proc import make_caches
 
-ROOT = Path(__file__).resolve().parents[2]
-SHAPE = [2, 32, 128]  # kv_heads, block_size, C
-BASE = {"num_layers": 3, "num_blocks": 16, "shape": SHAPE, "dtype": "bfloat16", "model": "m",
-        "block_size": 32, "lease_s": 30.0, "timeout_s": 5.0, "seed": 7}
-
-
-class ProducerProc:
-    def __init__(self, **overrides) -> None:
-        self.cfg = {**BASE, "port": free_port(), **overrides}
-        self.proc = subprocess.Popen([sys.executable, "-m", "tests.kv.producer_proc",
-                                      json.dumps(self.cfg)], cwd=ROOT, text=True,
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE)
-        assert json.loads(self.proc.stdout.readline())["ready"]
-
-    def cmd(self, **msg) -> dict:
-        self.proc.stdin.write(json.dumps(msg) + "\n")
-        self.proc.stdin.flush()
-        return json.loads(self.proc.stdout.readline())
-
-    def expected(self, block_ids: list[int]) -> dict[str, torch.Tensor]:
-        c = self.cfg
-        caches = make_caches(c["num_layers"], c["num_blocks"], c["shape"], c["dtype"], c["seed"])
-        return {k: v[block_ids] for k, v in caches.items()}
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.kill()
-        self.proc.wait(10)
+BASE = DEFAULTS
 
 
 @pytest.fixture
@@ -71,10 +43,11 @@ def consumers():
 
     def start(**overrides) -> Consumer:
         cfg = {**BASE, **overrides}
-        caches = make_caches(cfg["num_layers"], cfg["num_blocks"], cfg["shape"], cfg["dtype"], 99)
+        caches = caches_of(cfg, seed=99)
         for t in caches.values():
             t.zero_()
-        c = Consumer("test-d", "127.0.0.1", cfg["timeout_s"], cfg.get("secret"), TransferStats())
+        c = Consumer("test-d", ConnectorSettings(timeout_s=cfg["timeout_s"],
+                                                 secret=cfg["secret"]), TransferStats())
         c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], caches))
         c.caches = caches
         started.append(c)
@@ -85,9 +58,13 @@ def consumers():
         c.shutdown()
 
 
+def job(p: ProducerProc, tid: str, remote: list[int], local: list[int]) -> PullJob:
+    return PullJob(tid, p.ticket(tid, remote), local, remote)
+
+
 def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[int],
          wait_s: float = 20.0) -> LoadResult:
-    c.submit(PullJob(tid, tid, "127.0.0.1", p.cfg["port"], None, local, remote))
+    c.submit(job(p, tid, remote, local))
     deadline = time.monotonic() + wait_s
     while time.monotonic() < deadline:
         results = c.take_results()
@@ -113,7 +90,7 @@ def test_pull_is_bit_exact_and_frees_the_lease(producers, consumers, dtype: str,
     untouched = [b for b in range(BASE["num_blocks"]) if b not in local]
     assert all(not t[untouched].view(torch.uint8).any() for t in c.caches.values())
     state = p.cmd(op="finished")
-    assert state["finished"] == ["t1"] and state["held"] == 0
+    assert state["finished"] == ["t1"] and state["status"]["held"] == 0
     assert state["total"]["transfers"] == 1 and state["total"]["bytes"] > 0
 
 
@@ -124,7 +101,7 @@ def test_staging_buffer_is_reused_across_transfers(producers, consumers) -> None
         p.cmd(op="hold", transfer_id=f"t{i}", block_ids=[1, 2, 3])
         assert pull(c, p, f"t{i}", [1, 2, 3], [4, 5, 6]).ok
         (peer,) = c._peers.values()
-        ptrs.append(peer.chan.staging(1).data_ptr())
+        ptrs.append(peer.conn.chan.staging(1).data_ptr())
     assert len(set(ptrs)) == 1
 
 
@@ -157,7 +134,7 @@ def test_lease_expiry_frees_blocks_and_refuses_a_late_pull(producers, consumers,
     p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
     time.sleep(0.5)
     state = p.cmd(op="finished")
-    assert state["finished"] == ["t1"] and state["held"] == 0
+    assert state["finished"] == ["t1"] and state["status"]["held"] == 0
     assert state["total"]["lease_expired"] == 1
     res = pull(c, p, "t1", [1, 2], [3, 4])
     assert not res.ok and "lease expired" in res.error
@@ -168,6 +145,8 @@ def test_unknown_transfer_is_refused_after_a_bounded_wait(producers, consumers) 
     t0 = time.monotonic()
     res = pull(c, p, "never-held", [1], [2])
     assert not res.ok and "unknown" in res.error
+    # Bound, not a benchmark: the producer waits at most 2.5 s (half the 5 s timeout) for a hold
+    # to appear; 10 s leaves 4x room for a loaded machine and still fails a hang.
     assert time.monotonic() - t0 < 10
 
 
@@ -175,12 +154,14 @@ def test_producer_killed_mid_transfer_fails_fast(producers, consumers) -> None:
     dying, healthy = producers(stall_before_send_s=60.0), producers()
     c = consumers()
     dying.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
-    c.submit(PullJob("t1", "t1", "127.0.0.1", dying.cfg["port"], None, [3, 4], [1, 2]))
+    c.submit(job(dying, "t1", [1, 2], [3, 4]))
     time.sleep(1.0)  # the producer has answered and is stalling before the send
     assert c.take_results() == []
     dying.proc.kill()
     t_kill = time.monotonic()
     while not (results := c.take_results()):
+        # Bound: a dead peer must surface within the transfer timeout (5 s) plus slack for a
+        # busy machine; without the timeout the consumer would wait forever.
         assert time.monotonic() - t_kill < BASE["timeout_s"] + 2, "consumer hung on a dead peer"
         time.sleep(0.01)
     assert not results[0].ok
@@ -192,8 +173,11 @@ def test_producer_killed_mid_transfer_fails_fast(producers, consumers) -> None:
 def test_dead_producer_address_fails_fast(consumers) -> None:
     c = consumers()
     t0 = time.monotonic()
-    res = c.submit(PullJob("t1", "t1", "127.0.0.1", free_port(), None, [1], [1]))
+    ticket = KVTicket(TransferId("t1"), "nobody", "127.0.0.1", free_port(), (1,), 32,
+                      time.time() + 60, "")
+    res = c.submit(PullJob("t1", ticket, [1], [1]))
     while not (results := c.take_results()):
+        # Bound: a refused connection is immediate; 5 s (the transfer timeout) rules out a hang.
         assert time.monotonic() - t0 < 5
         time.sleep(0.01)
     assert res is None and not results[0].ok and "cannot reach" in results[0].error
@@ -219,7 +203,7 @@ def test_concurrent_pulls_from_one_producer_land_in_their_own_blocks(producers, 
     for tid, (remote, _) in jobs.items():
         p.cmd(op="hold", transfer_id=tid, block_ids=remote)
     for tid, (remote, local) in jobs.items():
-        c.submit(PullJob(tid, tid, "127.0.0.1", p.cfg["port"], None, local, remote))
+        c.submit(job(p, tid, remote, local))
     results: list[LoadResult] = []
     deadline = time.monotonic() + 30
     while len(results) < len(jobs) and time.monotonic() < deadline:
@@ -236,23 +220,68 @@ def test_copy_out_returns_the_blocks_at_once(producers, consumers) -> None:
     p, c = producers(copy_out=True), consumers()
     p.cmd(op="hold", transfer_id="t1", block_ids=[4, 5])
     state = p.cmd(op="finished")
-    assert state["finished"] == ["t1"] and state["held"] == 1  # blocks back, copy still leased
+    assert state["finished"] == ["t1"] and state["status"]["held"] == 1  # blocks back, copy leased
     assert pull(c, p, "t1", [4, 5], [1, 2]).ok
     after = p.cmd(op="finished")
-    assert after["finished"] == [] and after["held"] == 0  # the copy is gone too
+    assert after["finished"] == [] and after["status"]["held"] == 0  # the copy is gone too
     for name, want in p.expected([4, 5]).items():
         assert torch.equal(c.caches[name][[1, 2]].view(torch.uint8), want.view(torch.uint8))
 
 
 @pytest.mark.parametrize("copy_out", [False, True], ids=["hold-blocks", "copy-out"])
-def test_status_reports_what_is_held(producers, consumers, copy_out: bool) -> None:
-    from splitserve.kv.producer import query_status
-
+def test_status_counts_transfers_by_state(producers, consumers, copy_out: bool) -> None:
     p, c = producers(copy_out=copy_out), consumers()
-    assert query_status("127.0.0.1", p.cfg["port"]) == {"ok": True, "held_transfers": 0,
-                                                        "held_blocks": 0}
+    assert p.cmd(op="finished")["status"] == {"held": 0, "claimed": 0, "sent": 0, "released": 0,
+                                              "expired": 0, "failed": 0, "held_blocks": 0}
     p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2, 3])
-    status = query_status("127.0.0.1", p.cfg["port"])
-    assert status["held_transfers"] == 1 and status["held_blocks"] == 3
+    p.cmd(op="hold", transfer_id="t2", block_ids=[4])
+    status = p.cmd(op="finished")["status"]
+    assert status["held"] == 2 and status["held_blocks"] == 4
     assert pull(c, p, "t1", [2, 3], [4, 5]).ok
-    assert query_status("127.0.0.1", p.cfg["port"])["held_blocks"] == 0
+    assert p.cmd(op="release", transfer_id="t2") == {"state": "held"}
+    status = p.cmd(op="finished")["status"]
+    assert (status["held"], status["held_blocks"], status["sent"], status["released"]) == (
+        0, 0, 1, 1)
+    # Ended transfers answer precisely: a second release and a late pull both say what happened.
+    assert p.cmd(op="release", transfer_id="t2") == {"state": "released"}
+    assert p.cmd(op="release", transfer_id="t1") == {"state": "sent"}
+    res = pull(c, p, "t2", [4], [6])
+    assert not res.ok and "released" in res.error
+
+
+def test_release_before_the_hold_frees_it_on_arrival(producers) -> None:
+    """The router may give up while the prefill is finishing: its Release can overtake the
+    engine step that registers the hold. The hold must then end at once, not at lease expiry."""
+    p = producers(lease_s=60.0)
+    assert p.cmd(op="release", transfer_id="early") == {"state": "unknown"}
+    p.cmd(op="hold", transfer_id="early", block_ids=[1, 2])
+    state = p.cmd(op="finished")
+    assert state["finished"] == ["early"]  # vLLM gets the blocks back now
+    assert state["status"]["held"] == 0 and state["status"]["released"] == 1
+
+
+def test_a_stalled_producer_does_not_delay_pulls_from_another(producers, consumers) -> None:
+    """Each producer connection has its own lock: while one producer sits on our handshake (it
+    is frozen: the kernel accepts the TCP connection, nothing answers), a pull from a healthy
+    producer completes and the stalled one fails only when its own timeout runs out."""
+    stalled, healthy = producers(), producers()
+    c = consumers(timeout_s=5.0)
+    stalled.proc.send_signal(signal.SIGSTOP)
+    try:
+        c.submit(job(stalled, "s1", [1], [1]))
+        time.sleep(0.2)  # the stalled job holds its connection's lock, waiting on the handshake
+        healthy.cmd(op="hold", transfer_id="h1", block_ids=[2])
+        c.submit(job(healthy, "h1", [2], [3]))
+        results: list[LoadResult] = []
+        while not results:
+            results += c.take_results()
+            time.sleep(0.01)
+        # The healthy pull is the first to finish; before the fix it waited for the stalled
+        # handshake's 5 s timeout behind a lock shared by all producers, and came second.
+        assert [(r.req_id, r.ok) for r in results] == [("h1", True)]
+        while len(results) < 2:
+            results += c.take_results()
+            time.sleep(0.05)
+        assert [(r.req_id, r.ok) for r in results] == [("h1", True), ("s1", False)]
+    finally:
+        stalled.proc.send_signal(signal.SIGCONT)

@@ -2,21 +2,23 @@
 
 from __future__ import annotations
 
+import grpc
 import pytest
 
+from router.errors import RequestFailed
 from router.validation import (
     InvalidArgument,
-    ValidSampling,
     check_model,
     validate_prompt,
     validate_sampling,
 )
+from splitserve.sampling import Sampling
 from splitserve.v1 import common_pb2, generation_pb2
 
 VOCAB, CTX = 4096, 4096
 
 
-def sampling(prompt_len: int = 10, max_model_len: int = CTX, **fields) -> ValidSampling:
+def sampling(prompt_len: int = 10, max_model_len: int = CTX, **fields) -> Sampling:
     return validate_sampling(
         common_pb2.SamplingParams(**fields), prompt_len=prompt_len, max_model_len=max_model_len
     )
@@ -34,12 +36,13 @@ def rejects(field: str, fn, *args, **kwargs) -> InvalidArgument:
 
 def test_error_format() -> None:
     err = InvalidArgument("sampling.temperature", "must be in [0, 2], got 3.0")
-    assert isinstance(err, ValueError)
+    assert isinstance(err, RequestFailed) and err.code == grpc.StatusCode.INVALID_ARGUMENT
+    assert (err.outcome, err.http_status) == ("invalid", 400)
     assert str(err) == "sampling.temperature: must be in [0, 2], got 3.0"
 
 
 def test_defaults() -> None:
-    assert sampling() == ValidSampling(
+    assert sampling() == Sampling(
         temperature=1.0,
         top_p=1.0,
         top_k=-1,
@@ -66,7 +69,7 @@ def test_all_fields_pass_through() -> None:
         ignore_eos=True,
         logprobs=0,
     )
-    assert v == ValidSampling(0.0, 0.5, 40, 100, 5, 0, ("\n\n", "END"), (7, 9), True, 0)
+    assert v == Sampling(0.0, 0.5, 40, 100, 5, 0, ("\n\n", "END"), (7, 9), True, 0)
 
 
 def test_float32_values_come_back_as_written() -> None:

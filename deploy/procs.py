@@ -1,0 +1,131 @@
+"""Child processes running `splitserve` components: spawn, wait until ready, stop, leave nothing.
+
+One launcher for `splitserve up`, the benchmarks and the end-to-end tests. Each child runs
+`python -m deploy.cli SUBCOMMAND ...` in a session of its own (so stopping it takes its vLLM engine
+processes along) and writes a ready file — JSON with its endpoints — once it serves. `stop()`
+sends SIGTERM to the workers first (they deregister and drain), then to the routers, and SIGKILLs
+every session that is still there after the grace period.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splitserve.roles import Role
+
+
+@dataclass
+class Proc:
+    name: str
+    popen: subprocess.Popen
+    ready_file: Path
+    role: Role | None = None  # None: a router
+    endpoints: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def address(self) -> str:
+        """The gRPC address (known once ready)."""
+        return self.endpoints["grpc"]
+
+    def signal(self, sig: int) -> None:
+        """Signal the whole session (the component and its engine processes)."""
+        try:
+            os.killpg(self.popen.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+
+    def kill(self) -> None:
+        self.signal(signal.SIGKILL)
+        self.popen.wait()
+
+
+class ProcessSet:
+    def __init__(self, log_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
+        """`log_dir`: each child's output goes to NAME.log there (else to our own console)."""
+        self.dir = Path(tempfile.mkdtemp(prefix="splitserve-procs-"))  # ready files
+        self.log_dir = log_dir
+        self.env = env
+        self.procs: list[Proc] = []
+
+    def spawn(self, name: str, args: list[str], role: Role | None = None) -> Proc:
+        ready = self.dir / name
+        out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None
+        try:
+            p = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args, "--ready-file",
+                                  str(ready)], env=self.env, stdout=out,
+                                 stderr=subprocess.STDOUT if out else None,
+                                 start_new_session=True)
+        finally:
+            if out is not None:
+                out.close()  # the child has its own descriptor
+        proc = Proc(name, p, ready, role)
+        self.procs.append(proc)
+        return proc
+
+    def log(self, name: str) -> str:
+        assert self.log_dir is not None, "children log to the console"
+        return (self.log_dir / f"{name}.log").read_text(errors="replace")
+
+    def wait_ready(self, procs: Iterable[Proc] | None = None, timeout_s: float = 300.0) -> None:
+        """Until each proc has written its ready file; raises if one dies or time runs out."""
+        deadline = time.monotonic() + timeout_s
+        for p in procs if procs is not None else self.procs:
+            while not (p.ready_file.exists() and p.ready_file.read_text()):
+                if p.popen.poll() is not None:
+                    raise RuntimeError(f"{p.name} exited during start-up (exit "
+                                       f"{p.popen.returncode}){self._tail(p)}")
+                if time.monotonic() > deadline:
+                    raise TimeoutError(f"{p.name} not ready after {timeout_s:.0f} s{self._tail(p)}")
+                time.sleep(0.1)
+            p.endpoints = json.loads(p.ready_file.read_text())
+
+    def _tail(self, p: Proc) -> str:
+        return f":\n{self.log(p.name)[-3000:]}" if self.log_dir else ""
+
+    def dead(self) -> list[str]:
+        return [f"{p.name} (exit {p.popen.returncode})" for p in self.procs
+                if p.popen.poll() is not None]
+
+    def stop(self, grace_s: float = 30.0) -> None:
+        for group in ([p for p in self.procs if p.role is not None],
+                      [p for p in self.procs if p.role is None]):
+            for p in group:
+                if p.popen.poll() is None:
+                    p.signal(signal.SIGTERM)
+            deadline = time.monotonic() + grace_s
+            for p in group:
+                try:
+                    p.popen.wait(max(deadline - time.monotonic(), 0.1))
+                except subprocess.TimeoutExpired:
+                    pass
+        for p in self.procs:  # whatever is left, and the engine children of everyone
+            p.kill()
+        shutil.rmtree(self.dir, ignore_errors=True)
+
+    def survivors(self) -> list[str]:
+        """Names of children whose session still has a live process (engines included)."""
+        sessions = _live_sessions()
+        return [p.name for p in self.procs if p.popen.pid in sessions]
+
+
+def _live_sessions() -> set[int]:
+    out = set()
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if fields[0] != "Z":  # fields[3] is stat's field 6: the session id
+                out.add(int(fields[3]))
+    return out

@@ -1,0 +1,53 @@
+"""`kv_connector_extra_config`, typed: what both halves of a transfer are configured with.
+
+Kept apart from connector.py (which imports vLLM) so the producer/consumer harnesses and the
+worker servers can build it without loading the engine.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+HOLD_MODES = ("auto", "copy", "blocks")
+
+
+@dataclass(frozen=True)
+class ConnectorSettings:
+    """Defaults work for a one-host cluster."""
+
+    host: str = "127.0.0.1"  # address peers use to reach this worker (side channel, gloo)
+    side_channel_port: int = 0  # producer: 0 = any free port (the worker reports the real one)
+    lease_s: float = 30.0  # producer: held KV is freed if nobody pulls (or releases) within this
+    timeout_s: float = 10.0  # every network wait of a transfer
+    secret: str | None = None  # shared secret; falls back to $SPLITSERVE_KV_SECRET
+    # Tests only: honour a request's {"fault": "corrupt"} (flip received bytes, proving the KV
+    # really travels). Off unless a deployment turns it on, so clients cannot use it.
+    allow_fault_injection: bool = False
+    stall_before_send_s: float = 0.0  # producer: pause mid-transfer (tests kill it there)
+    # producer: "copy" copies held blocks out and frees them at once, "blocks" keeps vLLM's
+    # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
+    # (device memory is the scarce thing there).
+    hold: str = "auto"
+    # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
+    status_file: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.hold not in HOLD_MODES:
+            raise ValueError(f"hold must be one of {HOLD_MODES}, got {self.hold!r}")
+        if self.lease_s <= 0 or self.timeout_s <= 0:
+            raise ValueError("lease_s and timeout_s must be positive")
+
+    @classmethod
+    def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
+        unknown = set(extra) - {f.name for f in fields(cls)}
+        if unknown:
+            raise ValueError(f"unknown kv_connector_extra_config keys: {sorted(unknown)}")
+        if extra.get("secret") is None and os.environ.get("SPLITSERVE_KV_SECRET"):
+            extra = {**extra, "secret": os.environ["SPLITSERVE_KV_SECRET"]}
+        return cls(**extra)
+
+    def copies_out(self, device_type: str) -> bool:
+        """Whether a producer on `device_type` copies held blocks out (see `hold`)."""
+        return self.hold == "copy" or (self.hold == "auto" and device_type == "cpu")
