@@ -4,9 +4,11 @@ One colocated worker (tiny model by default) and a router that knows it statical
 greedy requests alternate between the two paths, so machine noise hits both alike:
   direct   DecodeWorker.Decode on the worker (token ids in, token ids out)
   router   Generation.Generate on the router (validation, admission, routing, detokenisation)
-Prints a table and, with --json FILE, writes the numbers. Overheads are differences of medians.
+Overheads are differences of medians. Then the router's throughput on one core, fronting a
+token source instead of an engine (bench/router_throughput.py). Prints both tables and, with
+--json FILE, writes the numbers.
 
-    python bench/router_overhead.py [--requests 40] [--max-tokens 64] [--json FILE]
+    python -m bench.router_overhead [--requests 40] [--max-tokens 64] [--json FILE]
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from pathlib import Path
 
 import grpc
 
+from bench.router_throughput import measure
+from bench.router_throughput import report as report_throughput
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
 from splitserve.roles import Role
@@ -64,7 +68,14 @@ def main() -> None:
         results = run(w.address, r.address, a.requests, a.max_tokens)
     finally:
         cluster.stop(grace_s=10)
-    report(results, a)
+    rows = report(results, a)
+    print()
+    throughput = measure(a.model, [1, 32], seconds=6.0, tokens_per_request=256)
+    report_throughput(throughput)
+    if a.json:
+        rows["throughput"] = [t.row() for t in throughput]
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
 
 
 def run(worker: str, router: str, n: int, max_tokens: int) -> dict[str, dict[str, list[float]]]:
@@ -101,7 +112,7 @@ def run(worker: str, router: str, n: int, max_tokens: int) -> dict[str, dict[str
     return out
 
 
-def report(r: dict[str, dict[str, list[float]]], a: argparse.Namespace) -> None:
+def report(r: dict[str, dict[str, list[float]]], a: argparse.Namespace) -> dict:
     med = {k: {m: statistics.median(v[m]) * 1e3 for m in ("ttft", "tpot")} for k, v in r.items()}
     rows = {
         "ttft_ms_direct": med["direct"]["ttft"], "ttft_ms_router": med["router"]["ttft"],
@@ -117,9 +128,7 @@ def report(r: dict[str, dict[str, list[float]]], a: argparse.Namespace) -> None:
         print(f"{k:8} {med[k]['ttft']:18.2f} {med[k]['tpot']:18.3f}")
     print(f"{'overhead':8} {rows['ttft_overhead_ms']:+18.2f} {rows['tpot_overhead_ms']:+18.3f}"
           f"   (ratio {rows['ttft_ratio']:.2f}x TTFT, {rows['tpot_ratio']:.2f}x TPOT)")
-    if a.json:
-        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
-        Path(a.json).write_text(json.dumps(rows, indent=2) + "\n")
+    return rows
 
 
 if __name__ == "__main__":

@@ -5,17 +5,22 @@ connector pulls the prompt's KV from the prefill worker named by the ticket whil
 waits (WAITING_FOR_REMOTE_KVS) → vLLM computes only the new token's KV and decodes → token deltas
 stream back until a finish reason. Without a ticket the worker prefills locally: that is the
 colocated role, and the router's choice for prompts too short to be worth a transfer.
-A cancelled RPC (client gone, deadline, stop string) aborts the vLLM request, freeing its blocks
-(and, if it had not pulled yet, telling the producer to release its copy).
+The router sends its requests over one DecodeSession (session.py: per engine step, one batch for
+all of them); Decode serves a single request, for direct callers.
+A cancelled request (a session's cancel, or a cancelled Decode call: client gone, deadline, stop
+string) aborts the vLLM request, freeing its blocks (and, if it had not pulled yet, telling the
+producer to release its copy).
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 
 import grpc
 
+from decode_worker.session import Session
 from splitserve.kv.ticket import KVTicket
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -35,40 +40,49 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         self.core = core
 
     async def Decode(self, request: worker_pb2.DecodeRequest, context):
-        t0 = time.perf_counter()
         async with rpc_errors(context, request.request_id):
-            if not request.prompt_token_ids:
-                raise ValueError("prompt_token_ids: must not be empty")
-            ticket = (KVTicket.from_proto(request.ticket) if request.HasField("ticket")
-                      else None)
-            if ticket is not None and self.core.cfg.role is not Role.DECODE:
-                raise ValueError(f"ticket: this worker cannot pull KV (role {self.core.cfg.role})")
-            with self.core.admit(context) as engine:
-                if self.core.cfg.debug_stall_decode_s:
-                    await asyncio.sleep(self.core.cfg.debug_stall_decode_s)
-                params = sampling_to_vllm(
-                    request.sampling, kv_transfer_params=ticket.to_vllm() if ticket else None)
-                t_first = None
-                prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
-                async for out in engine.generate(prompt, params, request_id=request.request_id):
-                    output = out.outputs[0]
-                    if t_first is None and output.token_ids:
-                        t_first = time.perf_counter()
-                    chunk = worker_pb2.DecodeResponse(token_ids=output.token_ids)
-                    if output.logprobs:
-                        chunk.logprobs.extend(float(lp[t].logprob) for t, lp in
-                                              zip(output.token_ids, output.logprobs))
-                    if output.finish_reason is not None:
-                        chunk.finish_reason = finish_reason_to_proto(output.finish_reason)
-                        now = time.perf_counter()
-                        first = t_first or now
-                        # With pulled KV, the wait before the first token is the transfer (plus
-                        # one decode step); without, it is the local prefill.
-                        chunk.timings.CopyFrom(common_pb2.Timings(
-                            transfer_s=(first - t0) if ticket else 0.0,
-                            prefill_s=0.0 if ticket else (first - t0),
-                            decode_s=now - first, e2e_s=now - t0))
-                    yield chunk
+            async for chunk in self.run(request):
+                yield chunk
+
+    async def DecodeSession(self, request_iterator, context):
+        async for batch in Session(self.run).serve(request_iterator):
+            yield batch
+
+    async def run(self, request: worker_pb2.DecodeRequest
+                  ) -> AsyncIterator[worker_pb2.DecodeResponse]:
+        """One request's outputs; ValueError for bad input, Unavailable when not serving."""
+        t0 = time.perf_counter()
+        if not request.prompt_token_ids:
+            raise ValueError("prompt_token_ids: must not be empty")
+        ticket = KVTicket.from_proto(request.ticket) if request.HasField("ticket") else None
+        if ticket is not None and self.core.cfg.role is not Role.DECODE:
+            raise ValueError(f"ticket: this worker cannot pull KV (role {self.core.cfg.role})")
+        with self.core.admit() as engine:
+            if self.core.cfg.debug_stall_decode_s:
+                await asyncio.sleep(self.core.cfg.debug_stall_decode_s)
+            params = sampling_to_vllm(
+                request.sampling, kv_transfer_params=ticket.to_vllm() if ticket else None)
+            t_first = None
+            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+            async for out in engine.generate(prompt, params, request_id=request.request_id):
+                output = out.outputs[0]
+                if t_first is None and output.token_ids:
+                    t_first = time.perf_counter()
+                chunk = worker_pb2.DecodeResponse(token_ids=output.token_ids)
+                if output.logprobs:
+                    chunk.logprobs.extend(float(lp[t].logprob) for t, lp in
+                                          zip(output.token_ids, output.logprobs))
+                if output.finish_reason is not None:
+                    chunk.finish_reason = finish_reason_to_proto(output.finish_reason)
+                    now = time.perf_counter()
+                    first = t_first or now
+                    # With pulled KV, the wait before the first token is the transfer (plus
+                    # one decode step); without, it is the local prefill.
+                    chunk.timings.CopyFrom(common_pb2.Timings(
+                        transfer_s=(first - t0) if ticket else 0.0,
+                        prefill_s=0.0 if ticket else (first - t0),
+                        decode_s=now - first, e2e_s=now - t0))
+                yield chunk
 
     async def Stats(self, request, context):
         return await self.core.stats(request, context)

@@ -15,7 +15,6 @@ it may import every package; nothing below imports it.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
 import os
@@ -77,19 +76,23 @@ def _worker(role: Role):
 
 
 def _router(a: argparse.Namespace) -> int:
+    from deploy.loop import run as run_loop
     from router.config import RouterConfig
     from router.server import serve
     from splitserve.models import resolve_model
 
+    model_dir = resolve_model(a.model)
+    aliases = tuple(dict.fromkeys(n for n in (a.model, model_dir, *a.model_alias) if n))
     cfg = RouterConfig(
-        model_dir=resolve_model(a.model), model_name=a.model_name, host=a.host, port=a.grpc_port,
+        model_dir=model_dir, model_name=a.model_name, model_aliases=aliases, host=a.host,
+        port=a.grpc_port,
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
         local_prefill_threshold=a.local_prefill_threshold, http_port=a.http_port,
         api_key=a.api_key,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
         static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
     try:
-        asyncio.run(serve(cfg, a.ready_file))
+        run_loop(serve(cfg, a.ready_file))
     finally:
         if a.debug_modules_file:  # tests: what the router process loaded, checked at exit
             Path(a.debug_modules_file).write_text(json.dumps(sorted(sys.modules)))
@@ -104,6 +107,8 @@ def _up(a: argparse.Namespace) -> int:
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
                    "--http-port", str(a.http_port)]
+    if a.model:  # requests may name the model as the user did (vLLM's tools send --model)
+        router_args += ["--model-alias", a.model]
     if a.api_key:
         router_args += ["--api-key", a.api_key]
     run_until = None
@@ -183,7 +188,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     r = sub.add_parser("router", help="the router alone")
     r.add_argument("--model", default=None)
-    r.add_argument("--model-name", default=None)
+    r.add_argument("--model-name", default=None,
+                   help="served model name (default: the model directory's name)")
+    r.add_argument("--model-alias", action="append", default=[], metavar="NAME",
+                   help="another name requests may use (repeatable); the --model value as "
+                        "given is always accepted, as vLLM does")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--grpc-port", type=int, default=50051)
     r.add_argument("--max-model-len", type=int, default=4096)

@@ -57,11 +57,13 @@ class ProcessSet:
         self.env = env
         self.procs: list[Proc] = []
 
-    def spawn(self, name: str, args: list[str], role: Role | None = None) -> Proc:
+    def spawn(self, name: str, args: list[str], role: Role | None = None,
+              module: str = "deploy.cli") -> Proc:
+        """`module`: what `python -m` runs (a benchmark's stand-in takes the same flags)."""
         ready = self.dir / name
         out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None
         try:
-            p = subprocess.Popen([sys.executable, "-m", "deploy.cli", *args, "--ready-file",
+            p = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file",
                                   str(ready)], env=self.env, stdout=out,
                                  stderr=subprocess.STDOUT if out else None,
                                  start_new_session=True)

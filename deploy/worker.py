@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import asyncio
-
+from deploy.loop import run as run_loop
 from splitserve.roles import Role
 from splitserve.worker.core import WorkerConfig
 from splitserve.worker.server import AddServicer, serve
@@ -19,4 +18,4 @@ def servicer_for(role: Role) -> AddServicer:
 
 
 def run(cfg: WorkerConfig, ready_file: str | None = None) -> None:
-    asyncio.run(serve(cfg, servicer_for(cfg.role), ready_file))
+    run_loop(serve(cfg, servicer_for(cfg.role), ready_file))

@@ -39,7 +39,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
         async with rpc_errors(context, request.request_id):
             if not request.prompt_token_ids:
                 raise ValueError("prompt_token_ids: must not be empty")
-            with self.core.admit(context) as engine:
+            with self.core.admit() as engine:
                 # Hold the KV only when a decode worker will continue (the router says so by
                 # asking for more than one token).
                 wants_decode = (not request.sampling.HasField("max_tokens")

@@ -9,6 +9,9 @@ from dataclasses import dataclass
 class RouterConfig:
     model_dir: str  # the model's HF directory: tokenizer.json, tokenizer_config.json, config.json
     model_name: str | None = None  # served name; defaults to the directory's name
+    # Other names requests may use for the same model, as vLLM accepts its `--model` argument
+    # (benchmark tools send the path they were given).
+    model_aliases: tuple[str, ...] = ()
     host: str = "127.0.0.1"
     port: int = 50051  # gRPC (public Generation + internal Registry); 0 picks a free port
     http_port: int | None = None  # OpenAI-compatible HTTP + /metrics + /health; None = off

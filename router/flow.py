@@ -27,6 +27,7 @@ import grpc
 
 from router.errors import RequestFailed
 from router.registry import Worker
+from router.session import Broken
 from splitserve.v1 import common_pb2, worker_pb2
 
 log = logging.getLogger(__name__)
@@ -49,10 +50,14 @@ class FlowTimings:
     first_token_at: float | None = None  # time.perf_counter() when the first token arrived
 
 
+# A worker's status that the client gets as it is; anything else means "this worker failed".
+_PASSTHROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
+                grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
+_STATUS = {c.value[0]: c for c in grpc.StatusCode}
+
+
 def _failed(e: grpc.aio.AioRpcError, what: str, w: Worker) -> RequestFailed:
-    passthrough = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
-                   grpc.StatusCode.CANCELLED, grpc.StatusCode.RESOURCE_EXHAUSTED}
-    code = e.code() if e.code() in passthrough else grpc.StatusCode.UNAVAILABLE
+    code = e.code() if e.code() in _PASSTHROUGH else grpc.StatusCode.UNAVAILABLE
     return RequestFailed(code, f"{what} on {w.role} worker {w.worker_id} failed: "
                                f"{e.code().name}: {e.details()}")
 
@@ -77,13 +82,16 @@ def _left(deadline: float | None) -> float | None:
 async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
                    prefill: Worker | None, decode: Worker, deadline: float | None,
                    timings: FlowTimings) -> AsyncIterator[TokenEvent]:
+    # Clients may reuse a request id (or send two at once): what the workers see is made
+    # unique here, so engine request ids, session ids and transfer ids never collide.
+    request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
     if prefill is None:
         async for ev in _decode(request_id, prompt_ids, sampling, None, decode, deadline,
                                 timings):
             yield ev
         return
 
-    transfer_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+    transfer_id = request_id
     owed = True  # until we know the prefill held nothing, or a decode consumed the ticket
     try:
         resp = await _prefill(request_id, transfer_id, prompt_ids, sampling, prefill, deadline,
@@ -138,35 +146,55 @@ async def _prefill(request_id: str, transfer_id: str, prompt_ids: list[int],
 async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
                   ticket: common_pb2.KvTicket | None, w: Worker, deadline: float | None,
                   timings: FlowTimings) -> AsyncIterator[TokenEvent]:
-    req = worker_pb2.DecodeRequest(request_id=f"{request_id}-d", prompt_token_ids=prompt_ids,
+    """The decode worker's events for this request, over the worker's shared session. Events
+    that are already waiting are merged into one: the client gets one message for them."""
+    rid = f"{request_id}-d"
+    req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                    sampling=sampling)
     if ticket is not None:
         req.ticket.CopyFrom(ticket)
+    assert w.session is not None, "decode-capable workers have a session"
     w.inflight += 1
+    done = False
     try:
-        call = w.stub.Decode(req, timeout=_left(deadline))
-    except grpc.aio.UsageError as e:
-        w.inflight -= 1
-        raise _cut_off("decode", w) from e
-    try:
-        async for chunk in call:
-            if chunk.token_ids and timings.first_token_at is None:
-                timings.first_token_at = time.perf_counter()
-            finish = chunk.finish_reason if chunk.HasField("finish_reason") else None
-            if finish is not None:
-                timings.transfer_s = chunk.timings.transfer_s
-                timings.prefill_s += chunk.timings.prefill_s
-                timings.decode_s = chunk.timings.decode_s
-            yield TokenEvent(list(chunk.token_ids), list(chunk.logprobs), finish)
-    except grpc.aio.AioRpcError as e:
-        raise _failed(e, "decode", w) from e
-    except asyncio.CancelledError:
-        if _we_are_cancelled():
-            raise
-        raise _cut_off("decode", w) from None
+        async with asyncio.timeout(_left(deadline)):
+            q = await w.session.start(req)
+            while not done:
+                ev = _check(await q.get(), w)
+                tokens, logprobs = list(ev.output.token_ids), list(ev.output.logprobs)
+                while not q.empty() and not ev.output.HasField("finish_reason"):
+                    ev = _check(q.get_nowait(), w)
+                    tokens += ev.output.token_ids
+                    logprobs += ev.output.logprobs
+                out = ev.output
+                if tokens and timings.first_token_at is None:
+                    timings.first_token_at = time.perf_counter()
+                finish = out.finish_reason if out.HasField("finish_reason") else None
+                if finish is not None:
+                    done = True
+                    timings.transfer_s = out.timings.transfer_s
+                    timings.prefill_s += out.timings.prefill_s
+                    timings.decode_s = out.timings.decode_s
+                yield TokenEvent(tokens, logprobs, finish)
+    except TimeoutError:
+        raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"deadline passed while decoding on {w.worker_id}") from None
     finally:
         w.inflight -= 1
-        call.cancel()  # no-op when finished; aborts the worker's request when we stop early
+        if not done:
+            w.session.cancel_soon(rid)  # aborts the worker's request when we stop early
+
+
+def _check(ev: worker_pb2.SessionEvent | Broken, w: Worker) -> worker_pb2.SessionEvent:
+    if isinstance(ev, Broken):
+        raise RequestFailed(ev.code, f"decode on {w.role} worker {w.worker_id} failed: "
+                                     f"{ev.message}")
+    if ev.error_code:
+        code = _STATUS.get(ev.error_code, grpc.StatusCode.UNAVAILABLE)
+        raise RequestFailed(code if code in _PASSTHROUGH else grpc.StatusCode.UNAVAILABLE,
+                            f"decode on {w.role} worker {w.worker_id} failed: {code.name}: "
+                            f"{ev.error_message}")
+    return ev
 
 
 def _rest_after_first(sp: common_pb2.SamplingParams) -> common_pb2.SamplingParams:

@@ -71,6 +71,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.registry = registry
         self.tokenizer = tokenizer
         self.served_model = served_model
+        self.model_names = frozenset({served_model, *cfg.model_aliases})
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue)
         self.rng = random.Random()
 
@@ -96,7 +97,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context):
         try:
-            check_model(request.model, {self.served_model})
+            check_model(request.model, self.model_names)
         except InvalidArgument as e:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))
         ids = self.tokenizer.encode(request.text, add_special_tokens=request.add_special_tokens)
@@ -128,7 +129,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     def prepare(self, request: generation_pb2.GenerateRequest
                 ) -> tuple[list[int], common_pb2.SamplingParams, tuple[str, ...]]:
         """Validate and tokenise; shared with the HTTP front. Raises InvalidArgument."""
-        check_model(request.model, {self.served_model})
+        check_model(request.model, self.model_names)
         validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
                         max_model_len=self.cfg.max_model_len)
         if request.WhichOneof("prompt") == "token_ids":

@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from router.session import DecodeSession
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
@@ -42,6 +43,7 @@ class Worker:
     capacity: registry_pb2.WorkerCapacity
     channel: grpc.aio.Channel
     stub: object  # PrefillWorkerStub or DecodeWorkerStub
+    session: DecodeSession | None  # decode-capable workers: the stream all decodes share
     last_seen: float
     load: common_pb2.WorkerLoad = field(default_factory=common_pb2.WorkerLoad)
     inflight: int = 0
@@ -97,8 +99,9 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
         if old is not None:
             self._retire(old)
         channel = grpc.aio.insecure_channel(address)
-        w = Worker(worker_id, role, address, model, capacity, channel,
-                   worker_stub(role, channel), time.monotonic(),
+        stub = worker_stub(role, channel)
+        w = Worker(worker_id, role, address, model, capacity, channel, stub,
+                   DecodeSession(stub, worker_id) if role.decodes else None, time.monotonic(),
                    static=static)
         self._workers[worker_id] = w
         log.info("worker %s (%s) at %s joined", worker_id, role, address)

@@ -15,11 +15,10 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from tokenizers import Tokenizer
-
-_REPLACEMENT = "\ufffd"  # what a lossy UTF-8 decode yields for an incomplete byte sequence
+from tokenizers.decoders import DecodeStream
 
 # Prompt tokens kept as left context for the first generated tokens (vLLM uses the same number):
 # decoders such as SentencePiece's strip the leading space of the first token they see.
@@ -129,72 +128,52 @@ class RouterTokenizer:
     def special_ids(self) -> frozenset[int]:
         return self._special_ids
 
-
-class _Decoder(Protocol):
-    def decode(self, ids: Sequence[int], skip_special_tokens: bool = True) -> str: ...
+    @property
+    def raw(self) -> Tokenizer:
+        """The underlying `tokenizers.Tokenizer` (for incremental decoding)."""
+        return self._tok
 
 
 class IncrementalDetokenizer:
     """Streams text for generated token ids without splitting a UTF-8 character.
 
-    prefix_offset/read_offset technique: `_ids[prefix:read]` were already turned into text, and
-    decoding them again next to the new tokens gives a stable left context (byte-level BPE and
-    SentencePiece decoders depend on neighbouring tokens). The new text is what the window decodes
-    to beyond that context, emitted only once it does not end in U+FFFD, i.e. once the last
-    character's bytes are complete. Only the window is kept and decoded, so each token costs
-    O(window), not O(tokens so far).
-
-    Without `prompt_ids` the concatenated deltas plus `flush()` equal `decode(all ids)`. With
-    them, the last few prompt tokens serve as left context (a leading space survives decoders
-    that strip it at the start of text) and are never emitted themselves.
+    The work is tokenizers' own `DecodeStream` (one Rust call per token, keeping a small window
+    of left context: byte-level BPE and SentencePiece decoders depend on neighbouring tokens).
+    It returns nothing while a character's bytes are incomplete; the tokens it holds back are
+    remembered so that `flush()` can give out what they decode to when generation ends there
+    (a truly invalid byte sequence). Without `prompt_ids` the concatenated deltas plus `flush()`
+    equal `decode(all ids)`. With them, the last few prompt tokens serve as left context (a
+    leading space survives decoders that strip it at the start of text) and are never emitted.
     """
 
-    def __init__(
-        self,
-        tokenizer: _Decoder,
-        *,
-        skip_special_tokens: bool = True,
-        prompt_ids: Sequence[int] = (),
-    ) -> None:
-        self._tok = tokenizer
+    def __init__(self, tokenizer: RouterTokenizer, *, skip_special_tokens: bool = True,
+                 prompt_ids: Sequence[int] = ()) -> None:
+        self._raw = tokenizer.raw
         self._skip = skip_special_tokens
-        self._ids: list[int] = list(prompt_ids[-_CONTEXT_TOKENS:]) if prompt_ids else []
-        self._prefix = 0
-        self._read = len(self._ids)
+        context = [int(i) for i in prompt_ids[-_CONTEXT_TOKENS:]] if prompt_ids else None
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
+        self._held: list[int] = []  # pushed since the stream last gave text
         self.num_tokens = 0  # generated tokens pushed so far
 
     def push(self, ids: Iterable[int]) -> str:
         """Add generated token ids; return the text that became final with them."""
         out: list[str] = []
-        # One step per token: a chunk ending inside a character still emits the complete text
-        # before it, and the offsets always land on token boundaries.
+        step, raw, held = self._stream.step, self._raw, self._held
         for i in ids:
-            self._ids.append(int(i))
+            i = int(i)
             self.num_tokens += 1
-            out.append(self._step(final=False))
+            piece = step(raw, i)
+            if piece is None:
+                held.append(i)
+            else:
+                held.clear()
+                out.append(piece)
         return "".join(out)
 
     def flush(self) -> str:
         """Text still held back at the end of generation (e.g. a truly invalid byte sequence)."""
-        return self._step(final=True)
-
-    def _step(self, *, final: bool) -> str:
-        prefix_text = self._tok.decode(
-            self._ids[self._prefix : self._read], skip_special_tokens=self._skip
-        )
-        new_text = self._tok.decode(self._ids[self._prefix :], skip_special_tokens=self._skip)
-        if len(new_text) <= len(prefix_text):
-            # Nothing visible yet (a skipped special token, or bytes of an unfinished character).
-            return ""
-        if new_text.endswith(_REPLACEMENT) and not final:
-            # Possibly an incomplete multi-byte character: a later token may complete it.
-            return ""
-        delta = new_text[len(prefix_text) :]
-        # The tokens just emitted become the next window's left context; older ones are dropped.
-        del self._ids[: self._read]
-        self._prefix = 0
-        self._read = len(self._ids)
-        return delta
+        held, self._held = self._held, []
+        return self._raw.decode(held, skip_special_tokens=self._skip) if held else ""
 
 
 class StopMatcher:

@@ -26,7 +26,7 @@ from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 from splitserve.v1 import registry_pb2 as splitserve_dot_v1_dot_registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1csplitserve/v1/registry.proto\"\x84\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\"\x9b\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12 \n\x13\x66irst_token_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x06ticket\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.KvTicket\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x03\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x01\x88\x01\x01\x42\x16\n\x14_first_token_logprobB\x10\n\x0e_finish_reason\"\xa7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12,\n\x06ticket\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvTicketH\x00\x88\x01\x01\x42\t\n\x07_ticket\"\xa9\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x00\x88\x01\x01\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.TimingsB\x10\n\x0e_finish_reason\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\x0e\n\x0cStatsRequest\"\xf6\x01\n\rStatsResponse\x12\'\n\x04load\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x43\n\x0ckv_transfers\x18\x05 \x03(\x0b\x32-.splitserve.v1.StatsResponse.KvTransfersEntry\x1a\x32\n\x10KvTransfersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xe7\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponse2\x9b\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1asplitserve/v1/worker.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\x1a\x1csplitserve/v1/registry.proto\"\x84\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12\x13\n\x0btransfer_id\x18\x04 \x01(\t\"\x9b\x02\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x03\x12 \n\x13\x66irst_token_logprob\x18\x02 \x01(\x02H\x00\x88\x01\x01\x12\'\n\x06ticket\x18\x03 \x01(\x0b\x32\x17.splitserve.v1.KvTicket\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12\x19\n\x11num_prompt_tokens\x18\x05 \x01(\x03\x12\x37\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x01\x88\x01\x01\x42\x16\n\x14_first_token_logprobB\x10\n\x0e_finish_reason\"\xa7\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x03\x12/\n\x08sampling\x18\x03 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12,\n\x06ticket\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.KvTicketH\x00\x88\x01\x01\x42\t\n\x07_ticket\"\xa9\x01\n\x0e\x44\x65\x63odeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x10\n\x08logprobs\x18\x02 \x03(\x02\x12\x37\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x00\x88\x01\x01\x12\'\n\x07timings\x18\x04 \x01(\x0b\x32\x16.splitserve.v1.TimingsB\x10\n\x0e_finish_reason\"W\n\x0eSessionRequest\x12-\n\x05start\x18\x01 \x01(\x0b\x32\x1c.splitserve.v1.DecodeRequestH\x00\x12\x10\n\x06\x63\x61ncel\x18\x02 \x01(\tH\x00\x42\x04\n\x02op\";\n\x0cSessionBatch\x12+\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x1b.splitserve.v1.SessionEvent\"|\n\x0cSessionEvent\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12-\n\x06output\x18\x02 \x01(\x0b\x32\x1d.splitserve.v1.DecodeResponse\x12\x12\n\nerror_code\x18\x03 \x01(\x05\x12\x15\n\rerror_message\x18\x04 \x01(\t\"%\n\x0eReleaseRequest\x12\x13\n\x0btransfer_id\x18\x01 \x01(\t\" \n\x0fReleaseResponse\x12\r\n\x05state\x18\x01 \x01(\t\"\x0e\n\x0cStatsRequest\"\xf6\x01\n\rStatsResponse\x12\'\n\x04load\x18\x01 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\r\n\x05model\x18\x03 \x01(\t\x12\x11\n\tengine_id\x18\x04 \x01(\t\x12\x43\n\x0ckv_transfers\x18\x05 \x03(\x0b\x32-.splitserve.v1.StatsResponse.KvTransfersEntry\x1a\x32\n\x10KvTransfersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\x32\xe7\x01\n\rPrefillWorker\x12H\n\x07Prefill\x12\x1d.splitserve.v1.PrefillRequest\x1a\x1e.splitserve.v1.PrefillResponse\x12H\n\x07Release\x12\x1d.splitserve.v1.ReleaseRequest\x1a\x1e.splitserve.v1.ReleaseResponse\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponse2\xec\x01\n\x0c\x44\x65\x63odeWorker\x12G\n\x06\x44\x65\x63ode\x12\x1c.splitserve.v1.DecodeRequest\x1a\x1d.splitserve.v1.DecodeResponse0\x01\x12O\n\rDecodeSession\x12\x1d.splitserve.v1.SessionRequest\x1a\x1b.splitserve.v1.SessionBatch(\x01\x30\x01\x12\x42\n\x05Stats\x12\x1b.splitserve.v1.StatsRequest\x1a\x1c.splitserve.v1.StatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -43,18 +43,24 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_DECODEREQUEST']._serialized_end=692
   _globals['_DECODERESPONSE']._serialized_start=695
   _globals['_DECODERESPONSE']._serialized_end=864
-  _globals['_RELEASEREQUEST']._serialized_start=866
-  _globals['_RELEASEREQUEST']._serialized_end=903
-  _globals['_RELEASERESPONSE']._serialized_start=905
-  _globals['_RELEASERESPONSE']._serialized_end=937
-  _globals['_STATSREQUEST']._serialized_start=939
-  _globals['_STATSREQUEST']._serialized_end=953
-  _globals['_STATSRESPONSE']._serialized_start=956
-  _globals['_STATSRESPONSE']._serialized_end=1202
-  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._serialized_start=1152
-  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._serialized_end=1202
-  _globals['_PREFILLWORKER']._serialized_start=1205
-  _globals['_PREFILLWORKER']._serialized_end=1436
-  _globals['_DECODEWORKER']._serialized_start=1439
-  _globals['_DECODEWORKER']._serialized_end=1594
+  _globals['_SESSIONREQUEST']._serialized_start=866
+  _globals['_SESSIONREQUEST']._serialized_end=953
+  _globals['_SESSIONBATCH']._serialized_start=955
+  _globals['_SESSIONBATCH']._serialized_end=1014
+  _globals['_SESSIONEVENT']._serialized_start=1016
+  _globals['_SESSIONEVENT']._serialized_end=1140
+  _globals['_RELEASEREQUEST']._serialized_start=1142
+  _globals['_RELEASEREQUEST']._serialized_end=1179
+  _globals['_RELEASERESPONSE']._serialized_start=1181
+  _globals['_RELEASERESPONSE']._serialized_end=1213
+  _globals['_STATSREQUEST']._serialized_start=1215
+  _globals['_STATSREQUEST']._serialized_end=1229
+  _globals['_STATSRESPONSE']._serialized_start=1232
+  _globals['_STATSRESPONSE']._serialized_end=1478
+  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._serialized_start=1428
+  _globals['_STATSRESPONSE_KVTRANSFERSENTRY']._serialized_end=1478
+  _globals['_PREFILLWORKER']._serialized_start=1481
+  _globals['_PREFILLWORKER']._serialized_end=1712
+  _globals['_DECODEWORKER']._serialized_start=1715
+  _globals['_DECODEWORKER']._serialized_end=1951
 # @@protoc_insertion_point(module_scope)

@@ -208,6 +208,11 @@ class DecodeWorkerStub:
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
                 response_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
                 _registered_method=True)
+        self.DecodeSession = channel.stream_stream(
+                '/splitserve.v1.DecodeWorker/DecodeSession',
+                request_serializer=splitserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+                response_deserializer=splitserve_dot_v1_dot_worker__pb2.SessionBatch.FromString,
+                _registered_method=True)
         self.Stats = channel.unary_unary(
                 '/splitserve.v1.DecodeWorker/Stats',
                 request_serializer=splitserve_dot_v1_dot_worker__pb2.StatsRequest.SerializeToString,
@@ -226,6 +231,16 @@ class DecodeWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def DecodeSession(self, request_iterator, context):
+        """Many decodes over one stream: how the router reaches a worker. The router
+        starts and cancels requests on it; the worker answers with batches, each
+        holding the new tokens of every request that has some (one batch per
+        engine step, not one message per token per request).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Stats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -239,6 +254,11 @@ def add_DecodeWorkerServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=splitserve_dot_v1_dot_worker__pb2.DecodeRequest.FromString,
                     response_serializer=splitserve_dot_v1_dot_worker__pb2.DecodeResponse.SerializeToString,
+            ),
+            'DecodeSession': grpc.stream_stream_rpc_method_handler(
+                    servicer.DecodeSession,
+                    request_deserializer=splitserve_dot_v1_dot_worker__pb2.SessionRequest.FromString,
+                    response_serializer=splitserve_dot_v1_dot_worker__pb2.SessionBatch.SerializeToString,
             ),
             'Stats': grpc.unary_unary_rpc_method_handler(
                     servicer.Stats,
@@ -273,6 +293,33 @@ class DecodeWorker:
             '/splitserve.v1.DecodeWorker/Decode',
             splitserve_dot_v1_dot_worker__pb2.DecodeRequest.SerializeToString,
             splitserve_dot_v1_dot_worker__pb2.DecodeResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DecodeSession(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_stream(
+            request_iterator,
+            target,
+            '/splitserve.v1.DecodeWorker/DecodeSession',
+            splitserve_dot_v1_dot_worker__pb2.SessionRequest.SerializeToString,
+            splitserve_dot_v1_dot_worker__pb2.SessionBatch.FromString,
             options,
             channel_credentials,
             insecure,

@@ -19,6 +19,7 @@ from splitserve.engine_stats import EngineMonitor
 from splitserve.kv.board import read_board
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, worker_pb2
+from splitserve.worker.errors import Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,7 @@ class WorkerCore:
     total_kv_blocks: int = 0
 
     @contextlib.contextmanager
-    def admit(self, context: grpc.aio.ServicerContext) -> Iterator[object]:
+    def admit(self) -> Iterator[object]:
         """Count a request in; refuse it while loading or draining."""
         if self.phase is not Phase.SERVING or self.engine is None:
             raise Unavailable(f"worker is {self.phase.name.lower()}")
@@ -92,10 +93,6 @@ class WorkerCore:
             load=self.load(), role=self.cfg.role.to_proto(), model=self.served_model,
             engine_id=self.cfg.engine.engine_id or "",
             kv_transfers={k: v for k, v in self.kv_transfers().items() if k != "held_blocks"})
-
-
-class Unavailable(Exception):
-    """The worker cannot take requests now (loading or draining)."""
 
 
 @contextlib.asynccontextmanager

@@ -1,0 +1,112 @@
+"""The router's side of a decode session: one stream to a decode worker, shared by its requests.
+
+Lifecycle: opened on the first request to the worker (and again after it broke) → `start(req)`
+registers the request's queue and sends `start` → a reader task takes the worker's batches and
+puts each event on its request's queue → the request's consumer (flow.py) reads its queue until
+the finish event → `cancel_soon(id)` when it stops early. If the stream breaks (worker gone),
+every request still on it gets a `Broken` carrying the status; the next `start` opens afresh.
+Writes are serialised (a gRPC stream takes one at a time).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from dataclasses import dataclass
+
+import grpc
+
+from splitserve.v1 import worker_pb2
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Broken:
+    """Put on a request's queue when its session ended before the request did."""
+
+    code: grpc.StatusCode
+    message: str
+
+
+class DecodeSession:
+    def __init__(self, stub, name: str) -> None:
+        self._stub = stub  # DecodeWorkerStub
+        self._name = name
+        self._call = None
+        self._queues: dict[str, asyncio.Queue] = {}
+        self._write_lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task] = set()
+
+    async def start(self, req: worker_pb2.DecodeRequest) -> asyncio.Queue:
+        """The queue the request's events (or a Broken) will arrive on. Request ids must be
+        unique among the requests running on this session (the router makes them so)."""
+        if req.request_id in self._queues:
+            raise ValueError(f"request {req.request_id!r} is already running on {self._name}")
+        call = self._open()
+        q: asyncio.Queue = asyncio.Queue()
+        self._queues[req.request_id] = q
+        try:
+            await self._write(call, worker_pb2.SessionRequest(start=req))
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            self._queues.pop(req.request_id, None)
+            q.put_nowait(Broken(grpc.StatusCode.UNAVAILABLE,
+                                f"decode session to {self._name} is down: {e}"))
+        return q
+
+    def cancel_soon(self, request_id: str) -> None:
+        """Stop the request on the worker (without waiting: callers may be unwinding)."""
+        if self._queues.pop(request_id, None) is None or self._call is None:
+            return
+        task = asyncio.ensure_future(
+            self._write(self._call, worker_pb2.SessionRequest(cancel=request_id)))
+        self._tasks.add(task)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task) -> None:
+        self._tasks.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            log.debug("cancel on %s not sent: %s", self._name, task.exception())
+
+    def _open(self):
+        if self._call is None:
+            self._call = call = self._stub.DecodeSession()
+            task = asyncio.ensure_future(self._read(call))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        return self._call
+
+    async def _write(self, call, msg: worker_pb2.SessionRequest) -> None:
+        async with self._write_lock:
+            await call.write(msg)
+
+    async def _read(self, call) -> None:
+        broken = Broken(grpc.StatusCode.UNAVAILABLE, f"decode session to {self._name} ended")
+        try:
+            while True:
+                batch = await call.read()
+                if batch is grpc.aio.EOF:
+                    break
+                for ev in batch.events:
+                    last = ev.error_code or ev.output.HasField("finish_reason")
+                    q = (self._queues.pop if last else self._queues.get)(ev.request_id, None)
+                    if q is not None:
+                        q.put_nowait(ev)
+        except grpc.aio.AioRpcError as e:
+            broken = Broken(grpc.StatusCode.UNAVAILABLE,
+                            f"decode session to {self._name} broke: {e.code().name}: "
+                            f"{e.details()}")
+        except asyncio.CancelledError:
+            pass  # closed by us
+        finally:
+            if self._call is call:
+                self._call = None
+            for q in self._queues.values():
+                q.put_nowait(broken)
+            self._queues.clear()
+
+    async def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        if self._tasks:
+            await asyncio.wait(list(self._tasks), timeout=5)
