@@ -45,6 +45,13 @@ class InvalidArgument(RequestFailed):
         self.message = message
 
 
+# The router gives up this long before the client's deadline, so that it, not grpc's timer racing
+# it, ends the request: with DEADLINE_EXCEEDED, a message saying where the time went, and the
+# "deadline" outcome. A cancel that arrives within this margin of the deadline is the deadline.
+DEADLINE_MARGIN_S = 0.02
+
+
 def cancelled_outcome(time_remaining: float | None) -> str:
     """A request whose handler was cancelled: by its deadline, or by the client leaving."""
-    return "deadline" if time_remaining is not None and time_remaining <= 0 else "cancelled"
+    return ("deadline" if time_remaining is not None and time_remaining <= DEADLINE_MARGIN_S
+            else "cancelled")

@@ -11,17 +11,18 @@ and its cancellation cancels them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import grpc
 
 from router.config import RouterConfig
-from router.errors import InvalidArgument, RequestFailed, cancelled_outcome
+from router.errors import DEADLINE_MARGIN_S, InvalidArgument, RequestFailed, cancelled_outcome
 from router.flow import FlowTimings, run_flow
 from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill
@@ -77,12 +78,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
 
     # -- RPCs ---------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
-        async for chunk in self._guarded(request, context):
-            yield chunk
+        await self._guarded(request, context, context.write)
 
     async def Complete(self, request: generation_pb2.GenerateRequest, context):
         resp = generation_pb2.CompleteResponse()
-        async for chunk in self._guarded(request, context):
+
+        async def merge(chunk: generation_pb2.GenerateResponse) -> None:
             resp.request_id = chunk.request_id
             resp.text += chunk.text
             resp.token_ids.extend(chunk.token_ids)
@@ -93,6 +94,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 resp.timings.CopyFrom(chunk.timings)
                 if chunk.HasField("stop_reason"):
                     resp.stop_reason = chunk.stop_reason
+
+        await self._guarded(request, context, merge)
         return resp
 
     async def Tokenize(self, request: generation_pb2.TokenizeRequest, context):
@@ -111,12 +114,20 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 self.registry.alive(Role.COLOCATED)))])
 
     # -- the request ----------------------------------------------------------------------------
-    async def _guarded(self, request, context) -> AsyncIterator[generation_pb2.GenerateResponse]:
-        """Status codes (and the outcome metric) for everything that can go wrong."""
+    async def _guarded(self, request, context,
+                       emit: Callable[[generation_pb2.GenerateResponse], Awaitable[None]]) -> None:
+        """Status codes (and the outcome metric) for everything that can go wrong.
+
+        Chunks are written from inside this coroutine rather than yielded to grpc: a client that
+        leaves cancels the handler wherever it waits, and if that were grpc's own write, an
+        async-generator handler would be left suspended and only closed by the garbage collector
+        -- releasing the prefill worker's KV and recording the outcome late, as "error"."""
         trace = self.metrics.trace()
         try:
-            async for chunk in self.stream(request, context.time_remaining(), trace):
-                yield chunk
+            async with contextlib.aclosing(
+                    self.stream(request, context.time_remaining(), trace)) as chunks:
+                async for chunk in chunks:
+                    await emit(chunk)
         except RequestFailed as e:
             trace.finish(e.outcome)
             await context.abort(e.code, str(e))
@@ -159,7 +170,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """The request as response chunks; raises RequestFailed (InvalidArgument included).
         Shared by the gRPC service and the HTTP front. `timeout`: seconds left to the client."""
         t0 = trace.arrival
-        deadline = None if timeout is None else time.monotonic() + timeout
+        deadline = None if timeout is None else time.monotonic() + max(
+            timeout - DEADLINE_MARGIN_S, 0.0)
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         ids, sp, stops = self.prepare(request)
         m = self.metrics

@@ -9,6 +9,7 @@ the stream, which cancels the worker RPCs (both workers abort the request).
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import time
 import uuid
@@ -184,8 +185,9 @@ def _usage(c: generation_pb2.GenerateResponse) -> dict[str, int]:
 
 async def _guard(chunks: AsyncIterator, trace) -> AsyncIterator:
     try:
-        async for c in chunks:
-            yield c
+        async with contextlib.aclosing(chunks):  # closed now, not whenever it is collected
+            async for c in chunks:
+                yield c
     except InvalidArgument as e:
         trace.finish(e.outcome)
         status = 404 if e.field == "model" else 400
@@ -236,6 +238,8 @@ async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str,
     except ApiError as e:  # mid-stream: headers are sent, so the error goes in the stream
         yield _event({"error": {"message": str(e), "type": e.kind, "code": e.status}})
         return
+    finally:
+        await chunks.aclose()  # a client that left: release the request now
     if include_usage:
         yield _event({"id": rid, "object": obj, "created": created, "model": model,
                       "choices": [], "usage": _usage(last)})
