@@ -14,6 +14,7 @@ import time
 
 import grpc
 
+from deploy.placement import pin_serving
 from deploy.procs import ProcessSet
 from splitserve.roles import Role
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
@@ -69,6 +70,12 @@ def up(model: str, n_prefill: int, n_decode: int, n_colocated: int, grpc_port: i
               f"({n_prefill} prefill, {n_decode} decode, {n_colocated} colocated)",
               file=sys.stderr, flush=True)
         wait_workers(address, n_prefill, n_decode + n_colocated, cluster, start_timeout_s)
+        pinned = pin_serving([p.popen.pid for p in cluster.procs],
+                             [cores(i) for i in range(len(roles))])
+        if pinned:
+            print(f"[splitserve] router and worker servers pinned to core(s) "
+                  f"{','.join(map(str, sorted(pinned)))}; engines keep their own",
+                  file=sys.stderr, flush=True)
         http = endpoints.get("http")
         print(f"[splitserve] ready in {time.monotonic() - t0:.0f} s. gRPC: {address}"
               + (f"  HTTP (OpenAI API): {http}/v1  metrics: {http}/metrics" if http else "")

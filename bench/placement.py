@@ -1,0 +1,85 @@
+"""Where splitserve's serving processes should run on a small host: measured, not guessed.
+
+One colocated-1 deployment (as bench/vs_vllm.py starts it: engine on --engine-cores), driven by
+`vllm bench serve` at one rate; between drives the router's and the worker server's threads (not
+the engine's) are re-placed, the order rotating each round:
+  free          all cores, the scheduler's choice
+  pinned        the cores the engine does not use (what `splitserve up` does, deploy/placement.py)
+  niced         all cores at nice +10, so the engine wins every contended slice
+
+    python bench/placement.py [--model DIR] [--rate 2] [--rounds 3] [--num-prompts 40]
+
+Prints each drive and the per-placement mean attainment and median TTFT/TPOT medians.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import tempfile
+from pathlib import Path
+
+from bench.vs_vllm import drive, start_splitserve
+from deploy.placement import free_cores
+from deploy.procs import ProcessSet
+from splitserve.models import resolve_model
+
+
+def place(pids: list[int], cores: set[int], nice: int) -> None:
+    for pid in pids:
+        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
+            try:
+                os.sched_setaffinity(tid, cores)
+                os.setpriority(os.PRIO_PROCESS, tid, nice)
+            except OSError:  # a thread that just ended
+                pass
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default=None, help="default: the embedded tiny model")
+    ap.add_argument("--rate", type=float, default=2.0)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--num-prompts", type=int, default=40)
+    ap.add_argument("--seed", type=int, default=20000)
+    a = ap.parse_args()
+    # The workload and engine settings of bench/vs_vllm.py.
+    cfg = argparse.Namespace(engine_cores="0", dtype="float32", max_model_len=4096,
+                             kv_cache_mib=256, splitserve_port=8200, input_len=1536,
+                             output_len=128, range_ratio=0.333, num_prompts=a.num_prompts,
+                             slo_ttft_ms=1000, slo_tpot_ms=25)
+    model = resolve_model(a.model)
+    tmp = Path(tempfile.mkdtemp(prefix="splitserve-placement-"))
+    procs = ProcessSet(log_dir=tmp)
+    every = os.sched_getaffinity(0)
+    variants = {"free": (every, 0), "pinned": (free_cores([cfg.engine_cores]), 0),
+                "niced": (every, 10)}
+    if not variants["pinned"][0]:
+        raise SystemExit("needs a core the engine does not use")
+    results: dict[str, list[dict]] = {k: [] for k in variants}
+    try:
+        url = start_splitserve(cfg, model, procs)
+        pids = [p.popen.pid for p in procs.procs]
+        drive("vllm", url, model, a.rate, a.seed, cfg, tmp / "warm.json")  # not counted
+        names = list(variants)
+        for rnd in range(a.rounds):
+            for name in names[rnd % 3:] + names[:rnd % 3]:
+                place(pids, *variants[name])
+                r = drive("vllm", url, model, a.rate, a.seed + 1 + len(results[name]) +
+                          rnd * 10, cfg, tmp / f"{name}-{rnd}.json")
+                results[name].append(r)
+                print(f"round {rnd} {name:7} attainment {r['attainment']:.0%} TTFT p50 "
+                      f"{r['median_ttft_ms']:.0f} p99 {r['p99_ttft_ms']:.0f} ms TPOT p50 "
+                      f"{r['median_tpot_ms']:.1f} ms", flush=True)
+    finally:
+        procs.stop(15)
+    for name, rs in results.items():
+        if rs:
+            print(f"{name:7} attainment {statistics.mean(r['attainment'] for r in rs):.0%}  "
+                  f"TTFT p50 {statistics.median(r['median_ttft_ms'] for r in rs):.0f} ms  "
+                  f"TPOT p50 {statistics.median(r['median_tpot_ms'] for r in rs):.1f} ms")
+
+
+if __name__ == "__main__":
+    main()
