@@ -11,6 +11,10 @@ deployments run back to back (order alternating) on the same fresh random prompt
 run, so no prefix-cache help and an identical workload for both.
 
     python bench/vs_vllm.py [--rates 1,2] [--repeats 2] [--num-prompts 40] [--json FILE]
+                            [--profile DIR]
+
+--profile DIR records py-spy flame graphs (SVG; py-spy from the package registry) of both
+deployments' server processes, engines included, during the first repeat at the highest rate.
 
 Prints, per rate and driver, the median over repeats of SLO attainment, goodput and TTFT/TPOT
 percentiles for each deployment, and the ratios splitserve / vLLM.
@@ -22,6 +26,8 @@ import argparse
 import json
 import os
 import platform
+import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -30,6 +36,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from deploy.placement import pin_serving
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
 from splitserve.roles import Role
@@ -59,6 +66,7 @@ def start_splitserve(a: argparse.Namespace, model: str, procs: ProcessSet) -> st
         "--max-model-len", str(a.max_model_len), "--kv-cache-mib", str(a.kv_cache_mib),
         "--cpu-cores", a.engine_cores], Role.COLOCATED)
     procs.wait_ready([worker], 900)
+    pin_serving([router.popen.pid, worker.popen.pid], [a.engine_cores])
     return router.endpoints["http"]
 
 
@@ -126,6 +134,7 @@ def main() -> None:
     ap.add_argument("--splitserve-port", type=int, default=8200)
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--json", default=None)
+    ap.add_argument("--profile", default=None, help="write py-spy flame graphs (SVG) here")
     a = ap.parse_args()
     model = resolve_model(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-vs-vllm-"))
@@ -136,15 +145,23 @@ def main() -> None:
         urls = {"splitserve": start_splitserve(a, model, procs)}
         wait_http(f"http://127.0.0.1:{a.vllm_port}")
         urls["vllm"] = f"http://127.0.0.1:{a.vllm_port}"
+        pids = {"vllm": {"api-server": vllm.pid},
+                "splitserve": {p.name: p.popen.pid for p in procs.procs}}
         seed = a.seed
-        for rate in [float(r) for r in a.rates.split(",")]:
+        rates = [float(r) for r in a.rates.split(",")]
+        for rate in rates:
             for rep in range(a.repeats):
                 for driver in a.drivers.split(","):
                     seed += 1
                     order = ["vllm", "splitserve"] if seed % 2 else ["splitserve", "vllm"]
                     for dep in order:
+                        prof = (a.profile and rep == 0 and rate == max(rates)
+                                and driver == a.drivers.split(",")[0])
+                        spies = profile(pids[dep], Path(a.profile), f"{dep}-rate{rate:g}") \
+                            if prof else []
                         r = drive(driver, urls[dep], model, rate, seed, a,
                                   tmp / f"{dep}-{driver}-{rate}-{rep}.json")
+                        stop_profile(spies)
                         rows.append({"deployment": dep, "driver": driver, "rate": rate,
                                      "repeat": rep, "seed": seed, **r})
                         print(f"rate {rate:g} rep {rep} {driver:10} {dep:10} attainment "
@@ -164,6 +181,24 @@ def main() -> None:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"machine": machine(), "args": vars(a),
                                             "rows": rows}, indent=2) + "\n")
+
+
+def profile(pids: dict[str, int], out: Path, tag: str) -> list[subprocess.Popen]:
+    """One sampling profiler per server process, its engine processes included."""
+    spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+    out.mkdir(parents=True, exist_ok=True)
+    return [subprocess.Popen([spy, "record", "--nonblocking", "--subprocesses", "--rate", "100",
+                              "--pid", str(pid), "--format", "flamegraph",
+                              "--output", str(out / f"{tag}-{name}.svg")],
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+            for name, pid in pids.items()]
+
+
+def stop_profile(spies: list[subprocess.Popen]) -> None:
+    for p in spies:
+        p.send_signal(signal.SIGINT)  # py-spy writes its flame graph on SIGINT
+    for p in spies:
+        p.wait(60)
 
 
 def summarize(rows: list[dict]) -> str:
