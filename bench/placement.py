@@ -21,19 +21,9 @@ import tempfile
 from pathlib import Path
 
 from bench.vs_vllm import drive, start_splitserve
-from deploy.placement import free_cores
+from deploy.placement import free_cores, place_threads
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
-
-
-def place(pids: list[int], cores: set[int], nice: int) -> None:
-    for pid in pids:
-        for tid in map(int, os.listdir(f"/proc/{pid}/task")):
-            try:
-                os.sched_setaffinity(tid, cores)
-                os.setpriority(os.PRIO_PROCESS, tid, nice)
-            except OSError:  # a thread that just ended
-                pass
 
 
 def main() -> None:
@@ -65,7 +55,7 @@ def main() -> None:
         names = list(variants)
         for rnd in range(a.rounds):
             for name in names[rnd % 3:] + names[:rnd % 3]:
-                place(pids, *variants[name])
+                place_threads(pids, *variants[name])
                 r = drive("vllm", url, model, a.rate, a.seed + 1 + len(results[name]) +
                           rnd * 10, cfg, tmp / f"{name}-{rnd}.json")
                 results[name].append(r)

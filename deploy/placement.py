@@ -35,14 +35,21 @@ def pin_serving(pids: list[int], engine_cores: list[str]) -> set[int]:
     cores = free_cores(engine_cores)
     if not cores or os.environ.get("SPLITSERVE_PIN_SERVING", "1") == "0":
         return set()
+    place_threads(pids, cores)
+    return cores
+
+
+def place_threads(pids: list[int], cores: set[int], nice: int | None = None) -> None:
+    """Set the affinity (and, if given, the niceness) of every current thread of `pids`."""
     for pid in pids:
         try:
             threads = os.listdir(f"/proc/{pid}/task")
-        except OSError:  # gone, or no /proc (not Linux): nothing to pin
+        except OSError:  # gone, or no /proc (not Linux): nothing to place
             continue
-        for tid in threads:
+        for tid in map(int, threads):
             try:
-                os.sched_setaffinity(int(tid), cores)
+                os.sched_setaffinity(tid, cores)
+                if nice is not None:
+                    os.setpriority(os.PRIO_PROCESS, tid, nice)
             except OSError:  # a thread that just ended
                 pass
-    return cores
