@@ -21,6 +21,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from splitserve.lifeline import PARENT_ENV
 from splitserve.roles import Role
 
 
@@ -44,6 +45,12 @@ class Proc:
         except (ProcessLookupError, PermissionError):
             pass
 
+    def terminate(self) -> None:
+        """SIGTERM to the component alone: it drains, then stops its own engines. (To the whole
+        session, the engines would die at once and fail the requests being drained.)"""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+
     def kill(self) -> None:
         self.signal(signal.SIGKILL)
         self.popen.wait()
@@ -63,8 +70,11 @@ class ProcessSet:
         ready = self.dir / name
         out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None
         try:
+            # The child stops if we die, even by SIGKILL (splitserve/lifeline.py).
+            env = {**(self.env if self.env is not None else os.environ),
+                   PARENT_ENV: str(os.getpid())}
             p = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file",
-                                  str(ready)], env=self.env, stdout=out,
+                                  str(ready)], env=env, stdout=out,
                                  stderr=subprocess.STDOUT if out else None,
                                  start_new_session=True)
         finally:
@@ -102,8 +112,7 @@ class ProcessSet:
         for group in ([p for p in self.procs if p.role is not None],
                       [p for p in self.procs if p.role is None]):
             for p in group:
-                if p.popen.poll() is None:
-                    p.signal(signal.SIGTERM)
+                p.terminate()
             deadline = time.monotonic() + grace_s
             for p in group:
                 try:

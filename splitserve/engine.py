@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING
 
 from splitserve.kv.settings import ConnectorSettings
+from splitserve.lifeline import ENGINE_PARENT_ENV
 
 if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -116,6 +117,8 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
     # Read by the engine's worker process, which inherits our environment when it is spawned.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
+    # The engine stops if we die, even by SIGKILL (splitserve/lifeline.py, as a vLLM plugin).
+    os.environ[ENGINE_PARENT_ENV] = str(os.getpid())
     log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype,
              cfg.kv_role)
     loggers = [monitor.factory] if monitor is not None else None

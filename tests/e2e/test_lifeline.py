@@ -1,0 +1,88 @@
+"""Children die with their parent, even when it is SIGKILLed: the components `splitserve up`
+starts, and the vLLM engine process each worker starts (splitserve/lifeline.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import select
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.e2e.cluster import ROOT
+
+pytestmark = pytest.mark.slow
+
+# The parent: what `up` does (deploy/procs.py), a router and one colocated worker, then it waits.
+PARENT = """
+import json, sys, time
+from tests.e2e.cluster import ProcCluster
+from splitserve.roles import Role
+cl = ProcCluster(sys.argv[1])
+r = cl.router("R")
+cl.wait_ready([r], 120)
+w = cl.worker("W", Role.COLOCATED, 1, "--router", r.address)
+cl.wait_ready([w], 300)
+print(json.dumps({"router": r.popen.pid, "worker": w.popen.pid}), flush=True)
+time.sleep(3600)
+"""
+
+
+def _alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"  # a zombie has exited; whoever adopted it reaps it when it can
+
+
+def _children(pid: int) -> list[int]:
+    out = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except OSError:
+                continue
+            if ppid == pid:
+                out.append(int(entry.name))
+    return out
+
+
+def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    return left
+
+
+def test_components_and_engines_die_with_a_sigkilled_parent(tiny_model_dir: Path) -> None:
+    parent = subprocess.Popen([sys.executable, "-c", PARENT, str(tiny_model_dir)], cwd=ROOT,
+                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    pids: dict[str, int] = {}
+    try:
+        ready, _, _ = select.select([parent.stdout], [], [], 420)
+        assert ready, "the parent never reported its cluster ready"
+        pids = json.loads(parent.stdout.readline())
+        engines = _children(pids["worker"])
+        assert engines, "the worker has no engine process"
+        # The worker alone, as the OOM killer would: its engine must not outlive it. (Before
+        # lifeline.py it did, holding its share of host memory and its cores.)
+        os.kill(pids["worker"], signal.SIGKILL)
+        assert not _wait_gone(engines, 20), "the engine outlived its SIGKILLed worker"
+        # Then `up` itself, as a supervisor does after its grace period: the router must go
+        # too (it drains first) instead of keeping its ports as an orphan.
+        os.kill(parent.pid, signal.SIGKILL)
+        assert not _wait_gone([pids["router"]], 45), "the router outlived its SIGKILLed parent"
+    finally:
+        for pid in (parent.pid, *pids.values()):
+            try:
+                os.killpg(pid, signal.SIGKILL)  # each child runs in a session of its own
+            except (ProcessLookupError, PermissionError):
+                pass
+        parent.wait()
