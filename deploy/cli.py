@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from splitserve import lifeline
 from splitserve.roles import Role
 
 
@@ -88,7 +89,8 @@ def _router(a: argparse.Namespace) -> int:
         port=a.grpc_port,
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
         local_prefill_threshold=a.local_prefill_threshold, http_port=a.http_port,
-        api_key=a.api_key,
+        api_key=a.api_key, limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
+        max_migrations=a.max_migrations,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
         static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
     try:
@@ -97,6 +99,16 @@ def _router(a: argparse.Namespace) -> int:
         if a.debug_modules_file:  # tests: what the router process loaded, checked at exit
             Path(a.debug_modules_file).write_text(json.dumps(sorted(sys.modules)))
     return 0
+
+
+_LIMIT_FLAGS = ("max_stop_strings", "max_stop_chars", "max_stop_token_ids", "max_request_bytes",
+                "max_timeout_s")
+
+
+def _limits(a: argparse.Namespace):
+    from router.validation import RequestLimits
+
+    return RequestLimits(**{k: getattr(a, k) for k in _LIMIT_FLAGS})
 
 
 def _up(a: argparse.Namespace) -> int:
@@ -109,6 +121,8 @@ def _up(a: argparse.Namespace) -> int:
                    "--http-port", str(a.http_port)]
     if a.model:  # requests may name the model as the user did (vLLM's tools send --model)
         router_args += ["--model-alias", a.model]
+    for k in _LIMIT_FLAGS:
+        router_args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
     if a.api_key:
         router_args += ["--api-key", a.api_key]
     run_until = None
@@ -164,6 +178,19 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-queue", type=int, default=256)
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API, /metrics and /health (0: any free port)")
+    from router.validation import RequestLimits
+
+    d = RequestLimits()
+    p.add_argument("--max-stop-strings", type=int, default=d.max_stop_strings,
+                   help="stop strings per request (default %(default)s)")
+    p.add_argument("--max-stop-chars", type=int, default=d.max_stop_chars,
+                   help="characters per stop string (default %(default)s)")
+    p.add_argument("--max-stop-token-ids", type=int, default=d.max_stop_token_ids,
+                   help="stop_token_ids per request (default %(default)s)")
+    p.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="HTTP body / gRPC message size (default %(default)s)")
+    p.add_argument("--max-timeout-s", type=float, default=d.max_timeout_s,
+                   help="largest HTTP `timeout` field accepted (default %(default)s)")
     p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
                    help="require `Authorization: Bearer KEY` on /v1/* and on gRPC Generation "
                         "(default $SPLITSERVE_API_KEY)")
@@ -198,6 +225,10 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--max-model-len", type=int, default=4096)
     _router_flags(r)
     r.add_argument("--local-prefill-threshold", type=int, default=0)
+    r.add_argument("--max-migrations", type=int, default=2,
+                   help="times a request whose worker failed is re-run on other workers")
+    r.add_argument("--drain-timeout-s", type=float, default=30.0,
+                   help="on SIGTERM, how long running requests may take to finish")
     r.add_argument("--heartbeat-timeout-s", type=float, default=10.0,
                    help="drop a worker silent this long (a busy small host can stall seconds)")
     for role in Role:
@@ -264,6 +295,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
+    lifeline.hold(lifeline.PARENT_ENV)  # started by `up` (or a test): stop when it dies
     # vLLM logs INFO to stdout by default; keep stdout for answers and quiet vLLM unless asked.
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
     os.environ.setdefault("VLLM_LOGGING_LEVEL", args.log_level.upper())

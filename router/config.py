@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+from router.validation import RequestLimits
 
 
 @dataclass(frozen=True)
@@ -29,10 +31,17 @@ class RouterConfig:
     static_decode: tuple[str, ...] = ()
     static_colocated: tuple[str, ...] = ()
     api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    # A request whose worker fails is re-run on others (prompt + tokens so far) this many times.
+    max_migrations: int = 2
+    # On SIGTERM: refuse new requests, let running ones finish for at most this long, then stop.
+    drain_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_concurrency", "max_model_len", "heartbeat_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
+        if self.max_migrations < 0:
+            raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")

@@ -45,6 +45,15 @@ class InvalidArgument(RequestFailed):
         self.message = message
 
 
+class WorkerFailed(RequestFailed):
+    """A worker failed the request (died, broke its stream, answered with an error of its own):
+    the router may run what is left of it on other workers (generation.py, migration)."""
+
+    def __init__(self, worker_id: str, message: str) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, message)
+        self.worker_id = worker_id
+
+
 # The router gives up this long before the client's deadline, so that it, not grpc's timer racing
 # it, ends the request: with DEADLINE_EXCEEDED, a message saying where the time went, and the
 # "deadline" outcome. A cancel that arrives within this margin of the deadline is the deadline.

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from router.errors import RequestFailed
+from router.errors import RequestFailed, WorkerFailed
 from router.registry import Worker
 from router.session import Broken
 from splitserve.v1 import common_pb2, worker_pb2
@@ -57,16 +57,17 @@ _STATUS = {c.value[0]: c for c in grpc.StatusCode}
 
 
 def _failed(e: grpc.aio.AioRpcError, what: str, w: Worker) -> RequestFailed:
-    code = e.code() if e.code() in _PASSTHROUGH else grpc.StatusCode.UNAVAILABLE
-    return RequestFailed(code, f"{what} on {w.role} worker {w.worker_id} failed: "
-                               f"{e.code().name}: {e.details()}")
+    msg = f"{what} on {w.role} worker {w.worker_id} failed: {e.code().name}: {e.details()}"
+    if e.code() in _PASSTHROUGH:
+        return RequestFailed(e.code(), msg)
+    return WorkerFailed(w.worker_id, msg)
 
 
 def _cut_off(what: str, w: Worker) -> RequestFailed:
     """The call was cancelled from our side of the channel (its worker was closed), not by the
-    client: the request fails as UNAVAILABLE instead of ending without a status."""
-    return RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                         f"{what} on {w.role} worker {w.worker_id} was cut off: channel closed")
+    client: the worker failed, instead of the request ending without a status."""
+    return WorkerFailed(w.worker_id,
+                        f"{what} on {w.role} worker {w.worker_id} was cut off: channel closed")
 
 
 def _we_are_cancelled() -> bool:
@@ -109,7 +110,7 @@ async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.
                      "worker prefills instead", request_id, transfer_id)
             ticket = None
         async for ev in _decode(request_id, [*prompt_ids, resp.first_token_id],
-                                _rest_after_first(sampling), ticket, decode, deadline, timings):
+                                remaining(sampling, 1), ticket, decode, deadline, timings):
             owed = False  # the decode side has pulled (or given up on) the KV
             yield ev
     finally:
@@ -187,22 +188,22 @@ async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.S
 
 def _check(ev: worker_pb2.SessionEvent | Broken, w: Worker) -> worker_pb2.SessionEvent:
     if isinstance(ev, Broken):
-        raise RequestFailed(ev.code, f"decode on {w.role} worker {w.worker_id} failed: "
-                                     f"{ev.message}")
+        raise WorkerFailed(w.worker_id, f"decode on {w.role} worker {w.worker_id} failed: "
+                                        f"{ev.message}")
     if ev.error_code:
         code = _STATUS.get(ev.error_code, grpc.StatusCode.UNAVAILABLE)
-        raise RequestFailed(code if code in _PASSTHROUGH else grpc.StatusCode.UNAVAILABLE,
-                            f"decode on {w.role} worker {w.worker_id} failed: {code.name}: "
-                            f"{ev.error_message}")
+        msg = f"decode on {w.role} worker {w.worker_id} failed: {code.name}: {ev.error_message}"
+        raise RequestFailed(code, msg) if code in _PASSTHROUGH else WorkerFailed(w.worker_id, msg)
     return ev
 
 
-def _rest_after_first(sp: common_pb2.SamplingParams) -> common_pb2.SamplingParams:
-    """The decode worker generates what is left after the prefill worker's first token."""
+def remaining(sp: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:
+    """What is left to generate once `done` tokens are out: after the prefill worker's first
+    token (decode side), or after a failed worker's tokens (migration)."""
     rest = common_pb2.SamplingParams()
     rest.CopyFrom(sp)
-    rest.max_tokens = sp.max_tokens - 1
-    rest.min_tokens = max(sp.min_tokens - 1, 0)
+    rest.max_tokens = sp.max_tokens - done
+    rest.min_tokens = max(sp.min_tokens - done, 0)
     return rest
 
 

@@ -16,14 +16,20 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection
 from dataclasses import dataclass
 
 import grpc
 
 from router.config import RouterConfig
-from router.errors import DEADLINE_MARGIN_S, InvalidArgument, RequestFailed, cancelled_outcome
-from router.flow import FlowTimings, run_flow
+from router.errors import (
+    DEADLINE_MARGIN_S,
+    InvalidArgument,
+    RequestFailed,
+    WorkerFailed,
+    cancelled_outcome,
+)
+from router.flow import FlowTimings, TokenEvent, remaining, run_flow
 from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill
 from router.registry import Worker, WorkerRegistry
@@ -150,20 +156,25 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
                             max_model_len=self.cfg.max_model_len, prompt_len=len(ids))
         v = validate_sampling(request.sampling, prompt_len=len(ids),
-                              max_model_len=self.cfg.max_model_len)
+                              max_model_len=self.cfg.max_model_len,
+                              vocab_size=self.tokenizer.vocab_size, limits=self.cfg.limits)
         return ids, v.to_proto(), v.stop
 
-    def route(self, prompt_len: int, local: bool) -> tuple[Worker | None, Worker]:
-        prefill = self.registry.alive(Role.PREFILL, self.served_model)
-        decode = self.registry.alive(Role.DECODE, self.served_model)
-        colocated = self.registry.alive(Role.COLOCATED, self.served_model)
+    def route(self, prompt_len: int, local: bool,
+              exclude: Collection[str] = ()) -> tuple[Worker | None, Worker]:
+        """Workers for a request; `exclude`: ids of workers that already failed it."""
+        prefill, decode, colocated = (
+            [w for w in self.registry.alive(role, self.served_model) if w.worker_id not in exclude]
+            for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED))
         if prefill and decode and not local and prompt_len >= self.cfg.local_prefill_threshold:
             return choose_prefill(prefill), choose_decode(decode, self.rng)
         if decode or colocated:
             return None, choose_decode(decode + colocated, self.rng)
         raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
-                       f"no live worker can serve {self.served_model!r}: {len(prefill)} prefill, "
-                       f"{len(decode)} decode, {len(colocated)} colocated")
+                            f"no live worker can serve {self.served_model!r}: {len(prefill)} "
+                            f"prefill, {len(decode)} decode, {len(colocated)} colocated"
+                            + (f" (besides {', '.join(exclude)}, which failed this request)"
+                               if exclude else ""))
 
     async def stream(self, request: generation_pb2.GenerateRequest, timeout: float | None,
                      trace: RequestTrace) -> AsyncIterator[generation_pb2.GenerateResponse]:
@@ -183,15 +194,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         m.running.labels(m.model).inc()
         try:
             queue_s = time.perf_counter() - t0
-            prefill, decode = self.route(len(ids), request.local_prefill)
-            trace.admitted(len(ids), prefill is not None)
             timings = FlowTimings()
             detok = None if request.skip_detokenize else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not request.HasField("skip_special_tokens")
                 or request.skip_special_tokens)
             stop = StopMatcher(stops)
             n_out, finish, stop_reason = 0, None, None
-            flow = run_flow(rid, ids, sp, prefill, decode, deadline, timings)
+            flow = self._migrating(rid, ids, sp, request.local_prefill, deadline, timings, trace)
             try:
                 async for ev in flow:
                     n_out += len(ev.token_ids)
@@ -221,6 +230,38 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             m.running.labels(m.model).dec()
             self.admission.release()
+
+    async def _migrating(self, rid: str, ids: list[int], sp: common_pb2.SamplingParams,
+                         local: bool, deadline: float | None, timings: FlowTimings,
+                         trace: RequestTrace) -> AsyncIterator[TokenEvent]:
+        """run_flow's events, surviving worker failures: when a worker fails the request (dies,
+        breaks its stream, errs), what is left runs on other workers from the prompt plus the
+        tokens already streamed, so the client's stream goes on without a gap or a repeat (with
+        greedy sampling, the same tokens). At most `max_migrations` times; then UNAVAILABLE
+        naming every worker that failed."""
+        failed: list[str] = []
+        out: list[int] = []
+        while True:
+            prefill, decode = self.route(len(ids) + len(out), local, exclude=failed)
+            if not failed:
+                trace.admitted(len(ids), prefill is not None)
+            flow = run_flow(rid, [*ids, *out], remaining(sp, len(out)), prefill, decode,
+                            deadline, timings)
+            try:
+                async with contextlib.aclosing(flow):
+                    async for ev in flow:
+                        out += ev.token_ids
+                        yield ev
+                return
+            except WorkerFailed as e:
+                failed.append(e.worker_id)
+                if len(failed) > self.cfg.max_migrations:
+                    raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
+                                        f"{e} (gave up after {len(failed) - 1} migration(s); "
+                                        f"failed workers: {', '.join(failed)})") from e
+                self.metrics.migrations_m.inc()
+                log.warning("request %s: %s; migrating with %d of %d tokens generated", rid, e,
+                            len(out), sp.max_tokens)
 
     @staticmethod
     def _finish(chunk, finish: int, stop_reason: str | None, n_prompt: int, n_out: int,

@@ -13,8 +13,8 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable
+from typing import Any, TypeVar
 
 import anyio._backends._asyncio  # noqa: F401  (anyio loads it lazily: on the first request's TTFT)
 import jinja2
@@ -26,6 +26,7 @@ from router.errors import InvalidArgument, RequestFailed
 from router.generation import GenerationService
 from splitserve.v1 import common_pb2, generation_pb2
 
+T = TypeVar("T")
 FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
           common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
 
@@ -81,21 +82,24 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
 
     @v1.post("/completions")
     async def completions(request: Request):
-        body = await _json(request)
+        body = await _json(request, service.cfg.limits.max_request_bytes)
+        check_fields(body, chat=False)
         prompt = body.get("prompt")
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
             req = generation_pb2.GenerateRequest(text=prompt)
-        elif isinstance(prompt, list) and all(isinstance(t, int) for t in prompt):
+        elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
+                                              and -2**63 <= t < 2**63 for t in prompt):
             req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt))
         else:
             raise ApiError(400, "prompt must be a string or a list of token ids", "prompt")
-        return await _run(service, req, body, chat=False)
+        return await _run(service, request, req, body, chat=False)
 
     @v1.post("/chat/completions")
     async def chat_completions(request: Request):
-        body = await _json(request)
+        body = await _json(request, service.cfg.limits.max_request_bytes)
+        check_fields(body, chat=True)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
                 isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
@@ -109,16 +113,62 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
                            eos_token=service.tokenizer.eos_token or "")
         ids = service.tokenizer.encode(text, add_special_tokens=False)
         req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids))
-        return await _run(service, req, body, chat=True)
+        return await _run(service, request, req, body, chat=True)
 
     app.include_router(v1)
     return app
 
 
-async def _json(request: Request) -> dict[str, Any]:
+# Request fields this front reads. Everything else a client sends is either a field that changes
+# nothing at the value given (_NEUTRAL) or an error naming it: a field that is accepted and
+# silently ignored (logprobs, penalties) gives a client an answer to a question it did not ask.
+_COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
+                     "top_k", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "n",
+                     "stream", "stream_options", "timeout", "user"})
+_FIELDS = {False: _COMMON | {"prompt"}, True: _COMMON | {"messages"}}
+_NEUTRAL: dict[str, tuple[Any, ...]] = {  # value(s) at which an unsupported field is a no-op
+    "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
+    "best_of": (None, 1), "presence_penalty": (None, 0), "frequency_penalty": (None, 0),
+    "repetition_penalty": (None, 1), "logit_bias": (None, {}), "suffix": (None, ""),
+}
+
+
+def _neutral(value: Any, allowed: tuple[Any, ...]) -> bool:
+    # By type as well as value: in Python 0 == False and 1 == True, but `logprobs: 0` asks for
+    # the sampled token's logprob while `logprobs: false` asks for nothing.
+    for a in allowed:
+        if a is None or isinstance(a, bool):
+            if value is a:
+                return True
+        elif not isinstance(value, bool) and isinstance(value, type(a) | float) and value == a:
+            return True
+    return False
+
+
+def check_fields(body: dict[str, Any], chat: bool) -> None:
+    """400 naming the first field this front would otherwise ignore."""
+    for key, value in body.items():
+        if key in _FIELDS[chat]:
+            continue
+        if key not in _NEUTRAL:
+            raise ApiError(400, f"unsupported field {key!r}", key)
+        if not _neutral(value, _NEUTRAL[key]):
+            raise ApiError(400, f"{key} is not supported: only {_NEUTRAL[key][1]!r} or null is "
+                                f"accepted, got {value!r}", key)
+
+
+async def _json(request: Request, max_bytes: int) -> dict[str, Any]:
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        raise ApiError(413, f"request body of {declared} bytes exceeds the limit of {max_bytes}")
+    raw = bytearray()
+    async for part in request.stream():  # a body without a length is counted as it arrives
+        raw += part
+        if len(raw) > max_bytes:
+            raise ApiError(413, f"request body exceeds the limit of {max_bytes} bytes")
     try:
-        body = await request.json()
-    except ValueError as e:
+        body = json.loads(raw)
+    except (ValueError, RecursionError) as e:
         raise ApiError(400, f"request body is not valid JSON: {e}") from e
     if not isinstance(body, dict):
         raise ApiError(400, "request body must be a JSON object")
@@ -126,46 +176,61 @@ async def _json(request: Request) -> dict[str, Any]:
 
 
 def _sampling(body: dict[str, Any], req: generation_pb2.GenerateRequest) -> None:
-    if body.get("n", 1) != 1:
-        raise ApiError(400, "only n=1 is supported", "n")
+    n = body.get("n")
+    if n is not None and not _neutral(n, (1,)):
+        raise ApiError(400, f"only n=1 is supported, got {n!r}", "n")
     sp = req.sampling
     try:
         for key in ("temperature", "top_p", "top_k", "max_tokens", "seed", "min_tokens"):
             value = body.get("max_completion_tokens") if key == "max_tokens" and body.get(
                 "max_tokens") is None else body.get(key)
+            if isinstance(value, bool):  # protobuf would take true as 1
+                raise TypeError(f"{key} must be a number, got {value!r}")
             if value is not None:
                 setattr(sp, key, value)
         stop = body.get("stop")
+        if not isinstance(stop, str | list | None):
+            raise TypeError(f"stop must be a string or a list of strings, got {stop!r}")
         sp.stop.extend([stop] if isinstance(stop, str) else (stop or []))
-        sp.ignore_eos = bool(body.get("ignore_eos", False))
+        sp.stop_token_ids.extend(body.get("stop_token_ids") or [])
+        ignore_eos = body.get("ignore_eos", False)
+        if not isinstance(ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be true or false, got {ignore_eos!r}")
+        sp.ignore_eos = ignore_eos
     except (TypeError, ValueError) as e:
         raise ApiError(400, f"bad sampling parameter: {e}") from e
-    if body.get("model"):
-        req.model = str(body["model"])
+    model = body.get("model")
+    if model is not None and not isinstance(model, str):
+        raise ApiError(400, f"model must be a string, got {model!r}", "model")
+    if model:
+        req.model = model
 
 
-async def _run(service: GenerationService, req: generation_pb2.GenerateRequest,
-               body: dict[str, Any], chat: bool):
+async def _run(service: GenerationService, request: Request,
+               req: generation_pb2.GenerateRequest, body: dict[str, Any], chat: bool):
     _sampling(body, req)
     rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
     req.request_id = rid
     timeout = body.get("timeout")
+    limit = service.cfg.limits.max_timeout_s
     if timeout is not None and (isinstance(timeout, bool) or not isinstance(timeout, int | float)
-                                or not 0 < timeout < float("inf")):
-        raise ApiError(400, f"timeout must be a positive number of seconds, got {timeout!r}",
-                       "timeout")
+                                or not 0 < timeout <= limit):
+        raise ApiError(400, f"timeout must be a number of seconds in (0, {limit:g}], "
+                            f"got {timeout!r}", "timeout")
+    stream = body.get("stream", False)
+    if not isinstance(stream, bool) or not isinstance(body.get("stream_options") or {}, dict):
+        raise ApiError(400, "stream must be true or false and stream_options an object",
+                       "stream")
     trace = service.metrics.trace()
     chunks = _guard(service.stream(req, timeout, trace), trace)
-    first = await _first(chunks)  # errors before the first chunk become HTTP statuses
+    # Errors before the first chunk become HTTP statuses.
+    first = await _unless_gone(request, _first(chunks), chunks)
     created = int(time.time())
-    if body.get("stream"):
+    if stream:
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_sse(first, chunks, rid, created, service.served_model, chat,
                                       usage), media_type="text/event-stream")
-    text, last = first.text, first
-    async for c in chunks:
-        text += c.text
-        last = c
+    text, last = await _unless_gone(request, _collect(first, chunks), chunks)
     choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(last.finish_reason),
                               "logprobs": None}
     if chat:
@@ -177,6 +242,40 @@ async def _run(service: GenerationService, req: generation_pb2.GenerateRequest,
     return {"id": rid, "object": "chat.completion" if chat else "text_completion",
             "created": created, "model": service.served_model, "choices": [choice],
             "usage": _usage(last)}
+
+
+async def _collect(first, chunks: AsyncIterator) -> tuple[str, Any]:
+    text, last = first.text, first
+    async for c in chunks:
+        text += c.text
+        last = c
+    return text, last
+
+
+async def _unless_gone(request: Request, work: Awaitable[T], chunks: AsyncIterator) -> T:
+    """`work`, unless the HTTP client disconnects first: then the request is closed (both
+    workers abort it) and 499 answered to nobody. uvicorn does not cancel a handler whose client
+    left, and StreamingResponse watches for it only once it streams: without this a client that
+    gave up during a long prefill, or on a non-streaming request, left the workers generating."""
+    task = asyncio.ensure_future(work)
+    gone = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait((task, gone), return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        gone.cancel()
+        if not task.done():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, ApiError):
+                await task
+            await chunks.aclose()
+    if not task.done() or task.cancelled():
+        raise ApiError(499, "the client closed the request", kind="client_closed")
+    return task.result()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
 
 def _usage(c: generation_pb2.GenerateResponse) -> dict[str, int]:

@@ -47,6 +47,9 @@ class RouterMetrics:
         self.routing = Counter("splitserve:routing_decisions",
                                "Where prefill ran: remote (disaggregated) or local",
                                [*labels, "prefill"], registry=registry)
+        self.migrations = Counter("splitserve:request_migrations",
+                                  "Requests moved to other workers after a worker failed them",
+                                  labels, registry=registry)
         self.running = Gauge("splitserve:num_requests_running", "Requests in flight",
                              labels, registry=registry)
         self.waiting = Gauge("splitserve:num_requests_waiting", "Requests queued for a slot",
@@ -61,6 +64,7 @@ class RouterMetrics:
         # The children every request touches, looked up once (labels() costs a lock and a hash
         # per call, and some run for every token).
         self.ttft_m, self.itl_m = self.ttft.labels(model), self.itl.labels(model)
+        self.migrations_m = self.migrations.labels(model)
         self.tpot_m, self.e2e_m = self.tpot.labels(model), self.e2e.labels(model)
 
     def trace(self) -> RequestTrace:

@@ -7,15 +7,18 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import json
 import logging
 import signal
 import socket
 import sys
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
 import uvicorn
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
@@ -48,8 +51,11 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
             registry.add_static(role, a)
     service = GenerationService(cfg, registry, RouterTokenizer(cfg.model_dir), served, metrics)
     interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
-    server = grpc.aio.server(interceptors=interceptors)
-    generation_pb2_grpc.add_GenerationServicer_to_server(service, server)
+    # grpc's own default is 4 MiB; ours is the same limit as the HTTP body's, and a flag.
+    size = cfg.limits.max_request_bytes
+    server = grpc.aio.server(interceptors=interceptors, options=[
+        ("grpc.max_receive_message_length", size)])
+    generation_pb2_grpc.add_GenerationServicer_to_server(service, _StrictParsing(server))
     registry_pb2_grpc.add_RegistryServicer_to_server(registry, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -67,7 +73,8 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         endpoints["http"] = f"http://{cfg.host}:{sock.getsockname()[1]}"
         app = build_app(service, metrics_registry, cfg.api_key)
-        http = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off"))
+        http = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=cfg.drain_timeout_s))
         http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
     print(f"[splitserve] router: gRPC on {address}"
           + (f", HTTP (OpenAI API, /metrics) on {endpoints['http']}" if http_task else "")
@@ -82,12 +89,61 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
     tasks = [asyncio.ensure_future(registry.run(stop)),
              asyncio.ensure_future(_track_health(service, health_servicer, metrics, stop))]
     await stop.wait()
+    # Drain: NOT_SERVING, no new calls on either front, in-flight requests finish (bounded).
     await set_serving(health_servicer, SERVICES, False)
+    log.info("router draining: %d request(s) in flight", service.admission.running)
     if http_task is not None:
         http.should_exit = True
-        await http_task
-    await server.stop(grace=5.0)
+    await asyncio.gather(server.stop(grace=cfg.drain_timeout_s),
+                         *([http_task] if http_task is not None else []))
     await asyncio.gather(*tasks)
+
+
+@dataclass(frozen=True)
+class _Malformed:
+    error: str
+
+
+class _StrictParsing:
+    """Registers a generated servicer with request parsing that answers INVALID_ARGUMENT.
+
+    grpc answers bytes that do not parse as the request message with UNKNOWN and logs a
+    traceback for each: found by fuzzing (tests/e2e/test_fuzz.py), a cheap way to fill the
+    router's log. Stands in for the server during `add_*Servicer_to_server`, which builds the
+    handlers; registers them with a parser that cannot raise."""
+
+    def __init__(self, server: grpc.aio.Server) -> None:
+        self._server = server
+
+    def add_generic_rpc_handlers(self, handlers) -> None:
+        pass  # the generated code registers the same handlers below, where we wrap them
+
+    def add_registered_method_handlers(self, service: str, handlers: dict) -> None:
+        strict = {name: _strict(h) for name, h in handlers.items()}
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(service, strict),))
+        self._server.add_registered_method_handlers(service, strict)
+
+
+def _strict(h: grpc.RpcMethodHandler) -> grpc.RpcMethodHandler:
+    assert not (h.request_streaming or inspect.isasyncgenfunction(h.unary_stream)), \
+        "unary requests and coroutine handlers only"
+    parse, behavior = h.request_deserializer, h.unary_unary or h.unary_stream
+
+    def deserialize(raw: bytes):
+        try:
+            return parse(raw)
+        except DecodeError as e:
+            return _Malformed(str(e))
+
+    async def handle(request, context):
+        if isinstance(request, _Malformed):
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
+                                f"the request is not a valid message: {request.error}")
+        return await behavior(request, context)
+
+    kind = "unary_unary" if h.unary_unary else "unary_stream"
+    return h._replace(request_deserializer=deserialize, **{kind: handle})
 
 
 class _QuietServer(uvicorn.Server):

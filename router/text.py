@@ -184,13 +184,17 @@ class StopMatcher:
     until the next delta resolves it. When several stop strings occur, the one whose last
     character comes first wins (ties: the one starting first), which is exactly what token-by-token
     streaming sees, so the result does not depend on how the text was chunked.
+
+    Linear in the text and in the stop strings' total length: an Aho-Corasick automaton whose state
+    is that longest suffix, so the held-back length is the state's depth. (Rescanning every suffix
+    against a set of every prefix cost the square of a stop string's length per token, in time and
+    memory, on the router's only event loop.)
     """
 
     def __init__(self, stop: Iterable[str] = ()) -> None:
         self._stops = tuple(dict.fromkeys(s for s in stop if s))
-        # Every proper prefix of every stop string: the candidates for holding text back.
-        self._prefixes = frozenset(s[:k] for s in self._stops for k in range(1, len(s)))
-        self._max_hold = max((len(s) for s in self._stops), default=1) - 1
+        self._auto = _StopAutomaton(self._stops) if self._stops else None
+        self._state = 0
         self._held = ""
         self.matched: str | None = None
 
@@ -198,21 +202,19 @@ class StopMatcher:
         """Return (text safe to emit now, matched stop string or None)."""
         if self.matched is not None:
             return "", self.matched
-        if not self._stops:
+        auto = self._auto
+        if auto is None:
             return delta, None
         buf = self._held + delta
-        best: tuple[int, int, str] | None = None  # (end, start, stop)
-        for s in self._stops:
-            start = buf.find(s)
-            if start >= 0:
-                cand = (start + len(s), start, s)
-                if best is None or cand[:2] < best[:2]:
-                    best = cand
-        if best is not None:
-            self._held = ""
-            self.matched = best[2]
-            return buf[: best[1]], self.matched
-        hold = self._hold_len(buf)
+        state, step, depth, out = self._state, auto.step, auto.depth, auto.out
+        for i in range(len(buf) - len(delta), len(buf)):
+            state = step(state, buf[i])
+            if out[state] is not None:
+                self._held, self._state = "", 0
+                self.matched = out[state]
+                return buf[: i + 1 - len(self.matched)], self.matched
+        self._state = state
+        hold = depth[state]
         self._held = buf[len(buf) - hold :] if hold else ""
         return buf[: len(buf) - hold], None
 
@@ -221,8 +223,43 @@ class StopMatcher:
         held, self._held = self._held, ""
         return "" if self.matched is not None else held
 
-    def _hold_len(self, buf: str) -> int:
-        for n in range(min(self._max_hold, len(buf)), 0, -1):
-            if buf[-n:] in self._prefixes:
-                return n
-        return 0
+
+class _StopAutomaton:
+    """Aho-Corasick over the stop strings. State 0 is the root; `depth[s]` is the length of the
+    prefix state s stands for; `out[s]` the longest stop string ending at s (itself or through
+    its failure chain), else None — the longest is the one that started first."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.goto: list[dict[str, int]] = [{}]
+        self.depth = [0]
+        out: list[str | None] = [None]
+        for s in stops:
+            node = 0
+            for ch in s:
+                nxt = self.goto[node].get(ch)
+                if nxt is None:
+                    nxt = len(self.goto)
+                    self.goto[node][ch] = nxt
+                    self.goto.append({})
+                    self.depth.append(self.depth[node] + 1)
+                    out.append(None)
+                node = nxt
+            out[node] = s
+        self.fail = [0] * len(self.goto)
+        order = list(self.goto[0].values())  # breadth first: a node's failure is shallower
+        for node in order:
+            for ch, child in self.goto[node].items():
+                f = self.fail[node]
+                while f and ch not in self.goto[f]:
+                    f = self.fail[f]
+                self.fail[child] = self.goto[f].get(ch, 0)
+                if out[child] is None:
+                    out[child] = out[self.fail[child]]
+                order.append(child)
+        self.out = out
+
+    def step(self, state: int, ch: str) -> int:
+        goto, fail = self.goto, self.fail
+        while state and ch not in goto[state]:
+            state = fail[state]
+        return goto[state].get(ch, 0)

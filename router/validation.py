@@ -15,12 +15,34 @@ from __future__ import annotations
 
 import math
 from collections.abc import Collection
+from dataclasses import dataclass
 
 from router.errors import InvalidArgument
 from splitserve.sampling import DEFAULT_MAX_TOKENS, Sampling
 from splitserve.v1 import common_pb2, generation_pb2
 
 MAX_LOGPROBS = 20  # what the OpenAI API allows; the engines are configured to match
+MAX_REQUEST_ID_CHARS = 256  # it names the request in every worker's ids and logs
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """Bounds on what one request may ask of the router, checked before any work is done. Each
+    has a router flag (deploy/cli.py) and is documented in docs/operations.md."""
+
+    max_stop_strings: int = 16  # OpenAI allows 4; vLLM none. Matching is linear either way
+    max_stop_chars: int = 1024  # per stop string
+    max_stop_token_ids: int = 256
+    # One request's body (HTTP) or message (gRPC). A prompt at a 32k context is ~200 KB of JSON
+    # token ids; 8 MiB leaves room for long texts without letting one body fill the router.
+    max_request_bytes: int = 8 << 20
+    max_timeout_s: float = 3600.0  # the HTTP body's `timeout` field
+
+    def __post_init__(self) -> None:
+        for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids",
+                     "max_request_bytes", "max_timeout_s"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
 
 
 def _number(field: str, value: float) -> float:
@@ -37,6 +59,8 @@ def validate_sampling(
     *,
     prompt_len: int,
     max_model_len: int,
+    vocab_size: int | None = None,
+    limits: RequestLimits = RequestLimits(),
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> Sampling:
     """Check `sp` against the rules below and fill in defaults; raise InvalidArgument."""
@@ -83,12 +107,24 @@ def validate_sampling(
             "sampling.min_tokens", f"must be <= max_tokens ({max_tokens}), got {min_tokens}"
         )
 
+    if len(sp.stop) > limits.max_stop_strings:
+        raise InvalidArgument("sampling.stop", f"at most {limits.max_stop_strings} stop strings, "
+                                               f"got {len(sp.stop)}")
     for i, s in enumerate(sp.stop):
         if not s:
             raise InvalidArgument("sampling.stop", f"stop string {i} is empty")
+        if len(s) > limits.max_stop_chars:
+            raise InvalidArgument("sampling.stop", f"stop string {i} has {len(s)} characters; "
+                                                   f"at most {limits.max_stop_chars}")
+    if len(sp.stop_token_ids) > limits.max_stop_token_ids:
+        raise InvalidArgument("sampling.stop_token_ids",
+                              f"at most {limits.max_stop_token_ids} ids, "
+                              f"got {len(sp.stop_token_ids)}")
     for t in sp.stop_token_ids:
-        if t < 0:
-            raise InvalidArgument("sampling.stop_token_ids", f"must be >= 0, got {t}")
+        if t < 0 or (vocab_size is not None and t >= vocab_size):
+            raise InvalidArgument("sampling.stop_token_ids",
+                                  f"id {t} is outside the vocabulary [0, {vocab_size})"
+                                  if t >= 0 else f"must be >= 0, got {t}")
 
     logprobs: int | None = None
     if sp.HasField("logprobs"):
@@ -124,6 +160,9 @@ def validate_prompt(
     Token-id prompts are checked fully. A text prompt's length is only known after tokenising:
     pass `prompt_len` (its token count) to have that checked too.
     """
+    if req.HasField("request_id") and len(req.request_id) > MAX_REQUEST_ID_CHARS:
+        raise InvalidArgument("request_id", f"at most {MAX_REQUEST_ID_CHARS} characters, "
+                                            f"got {len(req.request_id)}")
     kind = req.WhichOneof("prompt")
     if kind is None:
         raise InvalidArgument("prompt", "a prompt must be given (text or token_ids)")

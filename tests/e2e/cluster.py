@@ -9,6 +9,7 @@ from __future__ import annotations
 import os
 import tempfile
 import time
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -74,6 +75,17 @@ class ProcCluster(ProcessSet):
                 if time.monotonic() > deadline:
                     raise AssertionError(f"{p.name} not idle (leak?): {load}")
                 time.sleep(0.1)
+
+    def outcomes(self, router: str) -> dict[str, float]:
+        """The router's `splitserve:requests_total` by outcome (its /metrics)."""
+        url = self.by_name[router].endpoints["http"] + "/metrics"
+        text = urllib.request.urlopen(url, timeout=10).read().decode()
+        out = {}
+        for line in text.splitlines():
+            if line.startswith("splitserve:requests_total{"):
+                outcome = line.split('outcome="')[1].split('"')[0]
+                out[outcome] = float(line.rsplit(" ", 1)[1])
+        return out
 
     def close(self) -> None:
         for ch in self._channels:

@@ -80,12 +80,44 @@ def test_chat_equals_grpc_on_the_templated_prompt(cl: ProcCluster) -> None:
     ({"prompt": 42}, 400, "prompt"),
     ({"prompt": "hi", "model": "gpt-9"}, 404, "model"),
     ({"prompt": "hi", "n": 3}, 400, "n"),
+    # Accepted and silently ignored before: now refused, naming the field (or honoured when neutral)
+    ({"prompt": "hi", "logprobs": 2}, 400, "logprobs"),
+    ({"prompt": "hi", "logprobs": 0}, 400, "logprobs"),  # 0 == False, but asks for logprobs
+    ({"prompt": "hi", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ({"prompt": "hi", "tools": []}, 400, "tools"),
+    ({"prompt": "hi", "stop": ["x"] * 17}, 400, "stop"),
+    ({"prompt": "hi", "stop": "y" * 1025}, 400, "stop"),
+    ({"prompt": "hi", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
+    ({"prompt": "hi", "timeout": 1e9}, 400, "timeout"),
+    ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": [1, 10**30]}, 400, "prompt"),  # not an int64: was a 500
 ])
 def test_bad_requests_get_status_and_openai_error_body(cl, body, status, param) -> None:
     r = httpx.post(cl.by_name["A"].endpoints["http"] + "/v1/completions", json=body, timeout=30)
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(cl: ProcCluster) -> None:
+    # What vLLM's own `vllm bench serve` sends: repetition_penalty 1.0 and logprobs null.
+    r = httpx.post(cl.by_name["A"].endpoints["http"] + "/v1/completions", timeout=60, json={
+        "prompt": "hi", "max_tokens": 2, "repetition_penalty": 1.0, "logprobs": None,
+        "presence_penalty": 0, "user": "u1"})
+    assert r.status_code == 200, r.text
+
+
+def test_body_over_the_limit_is_413_before_it_is_parsed(cl: ProcCluster) -> None:
+    url = cl.by_name["A"].endpoints["http"] + "/v1/completions"
+    big = b'{"prompt": "' + b"a" * (8 << 20) + b'"}'  # the default limit is 8 MiB
+    r = httpx.post(url, content=big, timeout=60, headers={"content-type": "application/json"})
+    assert r.status_code == 413 and "limit" in r.json()["error"]["message"]
+
+    def chunked():  # no content-length: counted as it arrives
+        for _ in range(9):
+            yield b"a" * (1 << 20)
+    r = httpx.post(url, content=chunked(), timeout=60, headers={"content-type": "application/json"})
+    assert r.status_code == 413
 
 
 def test_invalid_json_and_chat_without_messages(cl: ProcCluster) -> None:

@@ -11,7 +11,6 @@ on a colocated worker, which refuses tickets.
 from __future__ import annotations
 
 import time
-import urllib.request
 from collections import Counter
 from pathlib import Path
 
@@ -48,17 +47,6 @@ def _assert_released(cl: ProcCluster, before: Counter, ended_at: float) -> None:
     assert now["sent"] == before["sent"] and now["expired"] == before["expired"]
 
 
-def _router_outcomes(cl: ProcCluster, router: str) -> dict[str, float]:
-    url = cl.by_name[router].endpoints["http"] + "/metrics"
-    text = urllib.request.urlopen(url, timeout=10).read().decode()
-    out = {}
-    for line in text.splitlines():
-        if line.startswith("splitserve:requests_total{"):
-            outcome = line.split('outcome="')[1].split('"')[0]
-            out[outcome] = float(line.rsplit(" ", 1)[1])
-    return out
-
-
 def test_stop_string_in_the_first_token(cl: ProcCluster, tiny_model_dir: Path) -> None:
     stub = cl.generation(cl.by_name["A"])
     # A prompt whose first generated token has visible text, to use as the stop string.
@@ -86,19 +74,19 @@ def test_client_gone_after_the_first_token(cl: ProcCluster, tiny_model_dir: Path
     call.cancel()
     ended = time.monotonic()
     _assert_released(cl, before, ended)
-    assert _router_outcomes(cl, "S").get("cancelled", 0) >= 1
+    assert cl.outcomes("S").get("cancelled", 0) >= 1
 
 
 def test_deadline_before_the_pull(cl: ProcCluster, tiny_model_dir: Path) -> None:
     (ids,) = make_prompts(tiny_model_dir, [250], seed=32)
     before = _transfers(cl)
-    deadlines = _router_outcomes(cl, "S").get("deadline", 0)
+    deadlines = cl.outcomes("S").get("deadline", 0)
     with pytest.raises(grpc.RpcError) as e:
         _stream(cl.generation(cl.by_name["S"]), _request(ids, max_tokens=50), timeout=5.0)
     ended = time.monotonic()
     assert e.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
     _assert_released(cl, before, ended)
-    assert _router_outcomes(cl, "S")["deadline"] == deadlines + 1
+    assert cl.outcomes("S")["deadline"] == deadlines + 1
 
 
 def test_decode_failed_before_pulling(cl: ProcCluster, tiny_model_dir: Path) -> None:

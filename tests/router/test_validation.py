@@ -8,6 +8,7 @@ import pytest
 from router.errors import RequestFailed
 from router.validation import (
     InvalidArgument,
+    RequestLimits,
     check_model,
     validate_prompt,
     validate_sampling,
@@ -20,7 +21,8 @@ VOCAB, CTX = 4096, 4096
 
 def sampling(prompt_len: int = 10, max_model_len: int = CTX, **fields) -> Sampling:
     return validate_sampling(
-        common_pb2.SamplingParams(**fields), prompt_len=prompt_len, max_model_len=max_model_len
+        common_pb2.SamplingParams(**fields), prompt_len=prompt_len, max_model_len=max_model_len,
+        vocab_size=VOCAB,
     )
 
 
@@ -103,6 +105,10 @@ def test_top_k_disabled(top_k: int) -> None:
         ("sampling.min_tokens", {"min_tokens": 17}, "max_tokens (16)"),  # default max_tokens
         ("sampling.stop", {"stop": ["ok", ""]}, "empty"),
         ("sampling.stop_token_ids", {"stop_token_ids": [3, -1]}, "-1"),
+        ("sampling.stop_token_ids", {"stop_token_ids": [3, VOCAB]}, f"[0, {VOCAB})"),
+        ("sampling.stop_token_ids", {"stop_token_ids": list(range(257))}, "at most 256"),
+        ("sampling.stop", {"stop": ["x"] * 17}, "at most 16 stop strings, got 17"),
+        ("sampling.stop", {"stop": ["ok", "y" * 1025]}, "stop string 1 has 1025 characters"),
         ("sampling.logprobs", {"logprobs": 21}, "[0, 20]"),
         ("sampling.logprobs", {"logprobs": -1}, "[0, 20]"),
     ],
@@ -116,6 +122,17 @@ def test_prompt_plus_max_tokens_must_fit() -> None:
     assert sampling(prompt_len=96, max_model_len=128, max_tokens=32).max_tokens == 32
     err = rejects("sampling.max_tokens", sampling, prompt_len=100, max_model_len=128, max_tokens=29)
     assert "100" in err.message and "29" in err.message and "128" in err.message
+
+
+def test_limits_are_inclusive_and_configurable() -> None:
+    assert len(sampling(stop=["x" * 1024] * 16, stop_token_ids=list(range(256))).stop) == 16
+    tight = RequestLimits(max_stop_strings=1, max_stop_chars=2, max_stop_token_ids=1)
+    sp = common_pb2.SamplingParams(stop=["abc"])
+    err = rejects("sampling.stop", validate_sampling, sp, prompt_len=1, max_model_len=CTX,
+                  limits=tight)
+    assert "at most 2" in err.message
+    with pytest.raises(ValueError, match="max_stop_chars"):
+        RequestLimits(max_stop_chars=0)
 
 
 def test_logprobs_bounds_accepted() -> None:
@@ -154,6 +171,9 @@ def test_prompt_rules() -> None:
     )
     assert "8 tokens" in err.message
     rejects("text", check_prompt, prompt(text="long"), prompt_len=CTX)
+    check_prompt(prompt(text="hi", request_id="r" * 256))
+    err = rejects("request_id", check_prompt, prompt(text="hi", request_id="r" * 257))
+    assert "257" in err.message
 
 
 def test_check_model() -> None:
