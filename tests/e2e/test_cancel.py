@@ -92,44 +92,42 @@ def test_http_non_streaming_client_gone(cl: ProcCluster, tiny_model_dir: Path) -
 
 
 def test_cancellation_storm_leaks_nothing(cl: ProcCluster, tiny_model_dir: Path) -> None:
-    """200 overlapping requests, each abandoned at a random moment: before it is routed, during
-    prefill, around the KV transfer, mid-decode. Afterwards (leak_check) no block is used, no
-    transfer held, nothing running, on any worker."""
+    """200 overlapping requests, each abandoned at a chosen point of its life: before it is
+    routed or during prefill (a short random wait, no token yet), after the prefill worker's
+    first token (around the KV transfer), or mid-decode (after 2-30 tokens). The point is chosen
+    by progress, not by time: on a loaded 2-core host a timed storm once saw 189 of 200 requests
+    still waiting for their first token. Afterwards (leak_check) no block is used, no transfer
+    held, nothing running, on any worker."""
     rng = random.Random(7)
     lens = [rng.randint(8, 400) for _ in range(200)]
     prompts = make_prompts(tiny_model_dir, lens, seed=16)
+    targets = [rng.choice([0, 0, 1, rng.randint(2, 30)]) for _ in prompts]
     got: list[int] = []  # tokens each request saw before it was abandoned
 
-    async def one(stub, ids: list[int], start_s: float, after_s: float) -> None:
+    async def one(stub, ids: list[int], start_s: float, target: int) -> None:
         await asyncio.sleep(start_s)
         call = stub.Generate(_request(ids, max_tokens=LONG, ignore_eos=True), timeout=120)
         n = 0
-
-        async def read() -> None:
-            nonlocal n
-            async for chunk in call:
-                n += len(chunk.token_ids)
-
         try:
-            await asyncio.wait_for(read(), after_s)
-        except TimeoutError:
-            pass  # wait_for cancelled the read, which cancels the call
+            if target == 0:
+                await asyncio.sleep(rng.uniform(0.0, 0.3))
+            else:
+                async for chunk in call:
+                    n += len(chunk.token_ids)
+                    if n >= target:
+                        break
         finally:
             call.cancel()
             got.append(n)
+            assert n >= target, f"the stream ended after {n} of {LONG} tokens"
 
     async def storm() -> None:
         async with grpc.aio.insecure_channel(cl.by_name["A"].address) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
-            # Arrivals spread over ~8 s (all at once, nearly every request was still queued for
-            # a prefill when its time ran out), each abandoned 0-4 s after it was sent.
-            await asyncio.gather(*(one(stub, ids, i * 0.04, rng.uniform(0.0, 4.0))
-                                   for i, ids in enumerate(prompts)))
+            await asyncio.gather(*(one(stub, ids, i * 0.04, t)
+                                   for i, (ids, t) in enumerate(zip(prompts, targets))))
 
     asyncio.run(storm())
     assert len(got) == 200
-    # The random cut points really spread over the request's life (a storm that cancelled only
-    # queued requests, or only decoding ones, would prove less).
-    assert sum(n == 0 for n in got) >= 10 and sum(n > 1 for n in got) >= 5, sorted(got)
     print(f"tokens seen before the cancel: none {sum(n == 0 for n in got)}, first only "
           f"{sum(n == 1 for n in got)}, decoding {sum(n > 1 for n in got)}")
