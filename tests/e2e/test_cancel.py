@@ -19,6 +19,7 @@ import pytest
 
 from splitserve.v1 import generation_pb2_grpc
 from tests.e2e.cluster import ProcCluster
+from tests.e2e.conftest import wait_models
 from tests.e2e.test_serving import _request, _stream
 from tests.utils import make_prompts
 
@@ -98,6 +99,16 @@ def test_cancellation_storm_leaks_nothing(cl: ProcCluster, tiny_model_dir: Path)
     by progress, not by time: on a loaded 2-core host a timed storm once saw 189 of 200 requests
     still waiting for their first token. Afterwards (leak_check) no block is used, no transfer
     held, nothing running, on any worker."""
+    # Its own router over the 2P2D workers, polling them as static workers with a heartbeat
+    # timeout longer than the storm: on a 2-core host the storm starves every event loop, and
+    # router A twice dropped both live decode workers on its 10 s timeout in CI (their requests
+    # migrated, then ran out of workers) -- a test of that timeout, not of cancellation.
+    w = {p.name: p.address for p in cl.procs}
+    cl.router("T", "--static-prefill", w["P0"], "--static-prefill", w["P1"],
+              "--static-decode", w["D0"], "--static-decode", w["D1"],
+              "--heartbeat-timeout-s", "120")
+    cl.wait_ready([cl.by_name["T"]], 60)
+    wait_models(cl, "T", prefill=2, decode=2)
     rng = random.Random(7)
     lens = [rng.randint(8, 400) for _ in range(200)]
     prompts = make_prompts(tiny_model_dir, lens, seed=16)
@@ -122,7 +133,7 @@ def test_cancellation_storm_leaks_nothing(cl: ProcCluster, tiny_model_dir: Path)
             assert n >= target, f"the stream ended after {n} of {LONG} tokens"
 
     async def storm() -> None:
-        async with grpc.aio.insecure_channel(cl.by_name["A"].address) as ch:
+        async with grpc.aio.insecure_channel(cl.by_name["T"].address) as ch:
             stub = generation_pb2_grpc.GenerationStub(ch)
             await asyncio.gather(*(one(stub, ids, i * 0.04, t)
                                    for i, (ids, t) in enumerate(zip(prompts, targets))))
