@@ -40,6 +40,20 @@ def wait_models(c: ProcCluster, router: str, prefill: int, decode: int) -> None:
         time.sleep(0.2)
 
 
+def static_router(c: ProcCluster, name: str, prefill: tuple[str, ...] = (),
+                  decode: tuple[str, ...] = (), colocated: tuple[str, ...] = (),
+                  *args: str) -> None:
+    """A router of its own over workers of the shared cluster (by name), listed as static
+    workers; returns once it sees them all."""
+    w = {p.name: p.address for p in c.procs}
+    flags = [f for role, names in (("prefill", prefill), ("decode", decode),
+                                   ("colocated", colocated))
+             for n in names for f in (f"--static-{role}", w[n])]
+    c.router(name, *flags, *args)
+    c.wait_ready([c.by_name[name]], 60)
+    wait_models(c, name, prefill=len(prefill), decode=len(decode) + len(colocated))
+
+
 @pytest.fixture(scope="session")
 def cl(tiny_model_dir: Path):
     c = ProcCluster(tiny_model_dir)

@@ -19,7 +19,7 @@ import pytest
 
 from splitserve.v1 import generation_pb2_grpc
 from tests.e2e.cluster import ProcCluster
-from tests.e2e.conftest import wait_models
+from tests.e2e.conftest import static_router
 from tests.e2e.test_serving import _request, _stream
 from tests.utils import make_prompts
 
@@ -103,12 +103,7 @@ def test_cancellation_storm_leaks_nothing(cl: ProcCluster, tiny_model_dir: Path)
     # timeout longer than the storm: on a 2-core host the storm starves every event loop, and
     # router A twice dropped both live decode workers on its 10 s timeout in CI (their requests
     # migrated, then ran out of workers) -- a test of that timeout, not of cancellation.
-    w = {p.name: p.address for p in cl.procs}
-    cl.router("T", "--static-prefill", w["P0"], "--static-prefill", w["P1"],
-              "--static-decode", w["D0"], "--static-decode", w["D1"],
-              "--heartbeat-timeout-s", "120")
-    cl.wait_ready([cl.by_name["T"]], 60)
-    wait_models(cl, "T", prefill=2, decode=2)
+    static_router(cl, "T", ("P0", "P1"), ("D0", "D1"), (), "--heartbeat-timeout-s", "120")
     rng = random.Random(7)
     lens = [rng.randint(8, 400) for _ in range(200)]
     prompts = make_prompts(tiny_model_dir, lens, seed=16)

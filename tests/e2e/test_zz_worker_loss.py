@@ -22,7 +22,7 @@ import pytest
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2
 from tests.e2e.cluster import ProcCluster
-from tests.e2e.conftest import wait_models
+from tests.e2e.conftest import static_router, wait_models
 from tests.e2e.test_serving import _request, _stream
 from tests.utils import make_prompts
 
@@ -59,11 +59,7 @@ def test_decode_worker_killed_mid_stream_the_stream_migrates(cl: ProcCluster,
     # the only worker left is C, colocated, which prefills prompt + tokens so far and goes on.
     d2 = cl.worker("D2", Role.DECODE, 1)
     cl.wait_ready([d2], 300)
-    w = {p.name: p.address for p in cl.procs}
-    cl.router("M", "--static-prefill", w["P0"], "--static-decode", w["D2"],
-              "--static-colocated", w["C"])
-    cl.wait_ready([cl.by_name["M"]], 60)
-    wait_models(cl, "M", prefill=1, decode=2)
+    static_router(cl, "M", ("P0",), ("D2",), ("C",))
     (ids,) = make_prompts(tiny_model_dir, [300], seed=43)
     want, _, _ = _stream(cl.generation(cl.by_name["R"]),  # colocated, unfailed
                          _request(ids, max_tokens=TOKENS, ignore_eos=True))
@@ -172,10 +168,7 @@ def test_sigstop_worker_past_heartbeat_timeout_under_load(cl: ProcCluster,
 
 
 def test_sigterm_router_drains_its_streams(cl: ProcCluster, tiny_model_dir: Path) -> None:
-    w = {p.name: p.address for p in cl.procs}
-    cl.router("G", "--static-prefill", w["P0"], "--static-decode", w["D0"])
-    cl.wait_ready([cl.by_name["G"]], 60)
-    wait_models(cl, "G", prefill=1, decode=1)
+    static_router(cl, "G", ("P0",), ("D0",))
     (ids,) = make_prompts(tiny_model_dir, [200], seed=41)
     got, last = _stream_through_sigterm(cl, "G", "G", ids)
     assert len(got) == TOKENS and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
@@ -185,10 +178,7 @@ def test_sigterm_router_drains_its_streams(cl: ProcCluster, tiny_model_dir: Path
 
 
 def test_sigterm_decode_worker_drains_then_leaves(cl: ProcCluster, tiny_model_dir: Path) -> None:
-    w = {p.name: p.address for p in cl.procs}
-    cl.router("H", "--static-prefill", w["P1"], "--static-decode", w["D1"])
-    cl.wait_ready([cl.by_name["H"]], 60)
-    wait_models(cl, "H", prefill=1, decode=1)
+    static_router(cl, "H", ("P1",), ("D1",))
     (ids,) = make_prompts(tiny_model_dir, [200], seed=42)
     got, last = _stream_through_sigterm(cl, "H", "D1", ids)
     assert len(got) == TOKENS and last.finish_reason == common_pb2.FINISH_REASON_LENGTH
