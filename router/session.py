@@ -47,7 +47,9 @@ class DecodeSession:
         q: asyncio.Queue = asyncio.Queue()
         self._queues[req.request_id] = q
         try:
-            await self._write(call, worker_pb2.SessionRequest(start=req))
+            # Shielded: a request cancelled mid-write (the client left) must not cancel the
+            # shared stream's write, which ends the stream for every request on it.
+            await asyncio.shield(self._write(call, worker_pb2.SessionRequest(start=req)))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             self._queues.pop(req.request_id, None)
             q.put_nowait(Broken(grpc.StatusCode.UNAVAILABLE,
