@@ -6,7 +6,8 @@ it. One JSON command per line in, one JSON reply per line out:
   {"op": "hold", "transfer_id": T, "block_ids": [...]}   start a lease (vLLM request id = T)
   {"op": "release", "transfer_id": T}                    → {"state": <state before>}
   {"op": "finished"}   → {"finished": [ids vLLM may free], "status": {...}, "total": {...}}
-  {"op": "connections"}  → {"connections": side-channel connections served now,
+  {"op": "connections"}  → {"connections": side-channel connections served now, "accepted":
+                            connections ever accepted,
                             "threads": the producer's threads (accept loop included)}
   {"op": "quit"}
 The configuration is JSON in argv, except the shared secret: it goes in $SPLITSERVE_KV_SECRET,
@@ -81,7 +82,7 @@ def main(cfg: dict[str, Any]) -> None:
         elif op == "release":
             reply = {"state": prod.release(TransferId(cmd["transfer_id"]))}
         elif op == "connections":
-            reply = {"connections": prod.connections, "threads": sum(
+            reply = {"connections": prod.connections, "accepted": prod.accepted, "threads": sum(
                 t.name.startswith("kv-producer") for t in threading.enumerate())}
         elif op == "finished":
             reply = {"finished": sorted(prod.take_finished()), "status": prod.status(),

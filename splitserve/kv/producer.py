@@ -74,6 +74,7 @@ class Producer:
         self._slots = threading.BoundedSemaphore(settings.max_connections)
         self._count_lock = threading.Lock()
         self.connections = 0  # being served now (for tests and harnesses)
+        self.accepted = 0  # ever accepted, turned away or not
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, kv_caches: dict[str, torch.Tensor], spec: KVSpec) -> None:
@@ -122,6 +123,7 @@ class Producer:
                 continue
             except OSError:
                 return  # socket closed by shutdown()
+            self.accepted += 1  # only this thread writes it
             if not self._slots.acquire(blocking=False):
                 self._turn_away(conn, addr)
                 continue
