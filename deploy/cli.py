@@ -21,6 +21,7 @@ import os
 import sys
 from pathlib import Path
 
+from deploy import security_flags as sec
 from splitserve import lifeline
 from splitserve.roles import Role
 
@@ -40,7 +41,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host", default="127.0.0.1", help="address peers use for KV transfer")
     g.add_argument("--kv-lease-s", type=float, default=30.0)
     g.add_argument("--kv-timeout-s", type=float, default=10.0)
-    g.add_argument("--kv-secret", default=None, help="shared secret (or $SPLITSERVE_KV_SECRET)")
+    sec.add_kv_secret(g)
 
 
 def _engine_argv(a: argparse.Namespace) -> list[str]:
@@ -48,8 +49,9 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
     out = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--block-size",
            str(a.block_size), "--kv-cache-mib", str(a.kv_cache_mib), "--max-num-seqs",
            str(a.max_num_seqs), "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
-           a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s)]
-    return out + (["--kv-secret", a.kv_secret] if a.kv_secret else [])
+           a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s),
+           "--kv-max-connections", str(a.kv_max_connections)]
+    return out  # the KV secret travels in the environment (deploy/local.py), never in argv
 
 
 def _worker(role: Role):
@@ -61,7 +63,13 @@ def _worker(role: Role):
         from splitserve.worker.core import WorkerConfig
 
         kv = ConnectorSettings(host=a.kv_host, lease_s=a.kv_lease_s, timeout_s=a.kv_timeout_s,
-                               secret=a.kv_secret)
+                               secret=sec.kv_secret_of(a), max_connections=a.kv_max_connections)
+        token = sec.cluster_token_of(a)
+        sec.require_on_network(a.host, f"a {role} worker", token, "a cluster credential "
+                               "($SPLITSERVE_CLUSTER_TOKEN or --cluster-token-file)")
+        if role.kv_role is not None:
+            sec.require_on_network(a.kv_host, "a KV side channel", kv.secret, "a KV secret "
+                                   "($SPLITSERVE_KV_SECRET or --kv-secret-file)")
         engine = EngineConfig(
             model=resolve_model(a.model), dtype=a.dtype, max_model_len=a.max_model_len,
             block_size=a.block_size, kv_cache_mib=a.kv_cache_mib, max_num_seqs=a.max_num_seqs,
@@ -70,7 +78,8 @@ def _worker(role: Role):
         cfg = WorkerConfig(role=role, engine=engine, host=a.host, port=a.port, router=a.router,
                            worker_id=a.worker_id, model_name=a.model_name,
                            metrics_port=a.metrics_port, advertise_host=a.advertise_host,
-                           debug_stall_decode_s=a.debug_stall_decode_s)
+                           debug_stall_decode_s=a.debug_stall_decode_s, cluster_token=token,
+                           tls=sec.tls_of(a))
         run_worker(cfg, a.ready_file)
         return 0
     return run
@@ -84,12 +93,16 @@ def _router(a: argparse.Namespace) -> int:
 
     model_dir = resolve_model(a.model)
     aliases = tuple(dict.fromkeys(n for n in (a.model, model_dir, *a.model_alias) if n))
+    token = sec.cluster_token_of(a)
+    sec.require_on_network(a.host, "a router", token, "a cluster credential "
+                           "($SPLITSERVE_CLUSTER_TOKEN or --cluster-token-file): anyone could "
+                           "register a worker and receive prompts")
     cfg = RouterConfig(
         model_dir=model_dir, model_name=a.model_name, model_aliases=aliases, host=a.host,
-        port=a.grpc_port,
+        port=a.grpc_port, cluster_port=a.cluster_port, cluster_token=token, tls=sec.tls_of(a),
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
         local_prefill_threshold=a.local_prefill_threshold, http_port=a.http_port,
-        api_key=a.api_key, limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
+        api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
         max_migrations=a.max_migrations,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
         static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
@@ -113,6 +126,7 @@ def _limits(a: argparse.Namespace):
 
 def _up(a: argparse.Namespace) -> int:
     from deploy.local import up
+    from deploy.local_security import local_security
     from splitserve.models import resolve_model
 
     model = resolve_model(a.model)  # generate the default model once, before the workers race
@@ -123,19 +137,22 @@ def _up(a: argparse.Namespace) -> int:
         router_args += ["--model-alias", a.model]
     for k in _LIMIT_FLAGS:
         router_args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    if a.api_key:
-        router_args += ["--api-key", a.api_key]
+    if a.api_key_file:
+        router_args += ["--api-key-file", a.api_key_file]  # a path; the key stays in the file
+    api_keys = sec.api_keys_of(a)
     run_until = None
     if a.demo is not None:
         from splitserve.client import generate
 
-        def run_until(address: str) -> bool:  # answer one request, then stop the cluster
-            if generate(address, a.demo, 32, 0.0, None, 120.0) != 0:
+        def run_until(address: str, tls) -> bool:  # answer one request, then stop the cluster
+            if generate(address, a.demo, 32, 0.0, None, 120.0, api_keys[0] if api_keys else None,
+                        tls) != 0:
                 raise RuntimeError("the demo request failed")
             return True
 
     return up(model, a.prefill, a.decode, a.colocated, a.grpc_port, _engine_argv(a), router_args,
-              run_until=run_until)
+              run_until=run_until, secure=local_security(a), ready_file=a.ready_file,
+              api_key=api_keys[0] if api_keys else None)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -143,8 +160,9 @@ def _generate(a: argparse.Namespace) -> int:
 
     if a.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
+    keys = sec.api_keys_of(a)
     return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout,
-                    a.api_key)
+                    keys[0] if keys else None, sec.tls_of(a))
 
 
 def _bench(a: argparse.Namespace) -> int:
@@ -191,9 +209,7 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="HTTP body / gRPC message size (default %(default)s)")
     p.add_argument("--max-timeout-s", type=float, default=d.max_timeout_s,
                    help="largest HTTP `timeout` field accepted (default %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* and on gRPC Generation "
-                        "(default $SPLITSERVE_API_KEY)")
+    sec.add_api_key(p)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -211,6 +227,10 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--grpc-port", type=int, default=50051)
     u.add_argument("--demo", metavar="PROMPT", default=None,
                    help="start, stream the completion of PROMPT, then stop everything")
+    u.add_argument("--tls", action="store_true",
+                   help="TLS on every listener, mutual between components, with a throwaway CA "
+                        "(its files are printed; they go when the cluster stops)")
+    u.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     u.set_defaults(func=_up)
 
     r = sub.add_parser("router", help="the router alone")
@@ -222,8 +242,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "given is always accepted, as vLLM does")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--grpc-port", type=int, default=50051)
+    r.add_argument("--cluster-port", type=int, default=None,
+                   help="serve the Registry here instead of on --grpc-port (mutual TLS with "
+                        "--tls-ca; 0: any free port)")
     r.add_argument("--max-model-len", type=int, default=4096)
     _router_flags(r)
+    sec.add_cluster_token(r)
+    sec.add_tls(r)
     r.add_argument("--local-prefill-threshold", type=int, default=0)
     r.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose worker failed is re-run on other workers")
@@ -245,13 +270,16 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--advertise-host", default=None,
                        help="address the router should dial (default: --host); e.g. the pod IP")
         w.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-        w.add_argument("--router", default=None, help="router address to register with")
+        w.add_argument("--router", default=None,
+                       help="router address to register with (its --cluster-port if it has one)")
         w.add_argument("--worker-id", default=None)
         w.add_argument("--model-name", default=None)
         w.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port (0: any free port)")
         w.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
         w.add_argument("--debug-stall-decode-s", type=float, default=0.0, help=argparse.SUPPRESS)
+        sec.add_cluster_token(w)
+        sec.add_tls(w)
         w.set_defaults(func=_worker(role))
 
     g = sub.add_parser("generate", help="stream a completion from a router")
@@ -261,7 +289,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--temperature", type=float, default=0.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
-    g.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
+    sec.add_api_key(g)
+    sec.add_tls(g, client_only=True)
     g.set_defaults(func=_generate)
 
     gl = sub.add_parser("generate-local", help="stream from one in-process engine (no cluster)")

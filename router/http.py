@@ -21,10 +21,12 @@ import anyio._backends._asyncio  # noqa: F401  (anyio loads it lazily: on the fi
 import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router.errors import InvalidArgument, RequestFailed
 from router.generation import GenerationService
+from splitserve.credentials import matches
 from splitserve.v1 import common_pb2, generation_pb2
 
 T = TypeVar("T")
@@ -43,20 +45,29 @@ class ApiError(Exception):
             "message": str(self), "type": self.kind, "param": self.param, "code": self.code}})
 
 
+def chat_template(template: str | None) -> jinja2.Template | None:
+    """The model's chat template, compiled in a sandbox: a template comes with the model (from
+    wherever it was downloaded), and unsandboxed Jinja lets one reach Python internals (and the
+    process) through attributes like `__class__`; the immutable sandbox also stops it from
+    changing the request's messages."""
+    if not template:
+        return None
+    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
+        template)
+
+
 def build_app(service: GenerationService, registry: CollectorRegistry,
-              api_key: str | None = None) -> FastAPI:
+              api_keys: tuple[str, ...] = ()) -> FastAPI:
     # A dependency of the /v1 routes, not an HTTP middleware: Starlette's BaseHTTPMiddleware
     # relays a streaming body through a memory channel, which cost every request ~60 ms of TTFT.
     async def auth(request: Request) -> None:
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+        if api_keys and not matches(request.headers.get("authorization"), api_keys):
             raise ApiError(401, "invalid or missing API key", kind="authentication_error",
                            code="invalid_api_key")
 
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
-    template = service.tokenizer.chat_template
-    chat = (jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
-            if template else None)
+    chat = chat_template(service.tokenizer.chat_template)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -109,9 +120,13 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
                            "messages")
         if chat is None:
             raise ApiError(400, "this model has no chat template", "messages")
-        text = chat.render(messages=messages, add_generation_prompt=True,
-                           bos_token=service.tokenizer.bos_token or "",
-                           eos_token=service.tokenizer.eos_token or "")
+        try:
+            text = chat.render(messages=messages, add_generation_prompt=True,
+                               bos_token=service.tokenizer.bos_token or "",
+                               eos_token=service.tokenizer.eos_token or "")
+        except jinja2.TemplateError as e:  # the sandbox's SecurityError included
+            raise ApiError(500, f"the model's chat template failed: {e}",
+                           kind="server_error") from e
         ids = service.tokenizer.encode(text, add_special_tokens=False)
         req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids))
         return await _run(service, request, req, body, chat=True)

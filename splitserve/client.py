@@ -6,6 +6,8 @@ import sys
 
 import grpc
 
+from splitserve.credentials import bearer
+from splitserve.tls import TLSConfig, sync_channel
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 FINISH = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
@@ -13,12 +15,13 @@ FINISH = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
 
 
 def generate(router: str, prompt: str, max_tokens: int, temperature: float, seed: int | None,
-             timeout_s: float | None, api_key: str | None = None) -> int:
+             timeout_s: float | None, api_key: str | None = None,
+             tls: TLSConfig | None = None) -> int:
     sp = common_pb2.SamplingParams(max_tokens=max_tokens, temperature=temperature)
     if seed is not None:
         sp.seed = seed
-    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
-    with grpc.insecure_channel(router) as ch:
+    metadata = bearer(api_key) or None
+    with sync_channel(router, tls) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         try:
             last = None

@@ -14,10 +14,10 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-from splitserve.kv.settings import ConnectorSettings
+from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.lifeline import ENGINE_PARENT_ENV
 
 if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
@@ -82,8 +82,7 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
             kv_connector_module_path="splitserve.kv.connector",
             kv_role=cfg.kv_role,
             engine_id=cfg.engine_id,
-            kv_connector_extra_config={k: v for k, v in asdict(cfg.kv_settings).items()
-                                       if v is not None},
+            kv_connector_extra_config=cfg.kv_settings.to_extra(),
             kv_load_failure_policy=cfg.kv_failure_policy,
         )
     return AsyncEngineArgs(
@@ -119,6 +118,8 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
     # The engine stops if we die, even by SIGKILL (splitserve/lifeline.py, as a vLLM plugin).
     os.environ[ENGINE_PARENT_ENV] = str(os.getpid())
+    if cfg.kv_settings.secret:  # not in vLLM's config, which it logs: its processes inherit this
+        os.environ[KV_SECRET_ENV] = cfg.kv_settings.secret
     log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype,
              cfg.kv_role)
     loggers = [monitor.factory] if monitor is not None else None

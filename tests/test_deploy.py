@@ -22,6 +22,7 @@ def test_manifest_kinds() -> None:
 
 
 def test_every_container_command_parses_with_the_cli() -> None:
+    router_cluster_port = 50052  # the router's --cluster-port (checked on the router below)
     for d in _docs():
         if d["kind"] != "Deployment":
             continue
@@ -32,12 +33,21 @@ def test_every_container_command_parses_with_the_cli() -> None:
         grpc_port = args.grpc_port if args.command == "router" else args.port
         assert ports["grpc"] == grpc_port
         assert c["readinessProbe"]["grpc"]["port"] == grpc_port
+        secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]
+                   if "secretKeyRef" in e.get("valueFrom", {})}
+        # Required, not optional: a pod without its credentials must not start open.
+        assert all(not ref.get("optional", False) for ref in secrets.values())
+        assert "SPLITSERVE_CLUSTER_TOKEN" in secrets
         if args.command != "router":
             assert ports["metrics"] == args.metrics_port
             assert args.advertise_host == "10.0.0.1" and args.kv_host == "10.0.0.1"
-            assert args.router.split(":")[0] == "splitserve-router"
+            host, port = args.router.split(":")
+            assert host == "splitserve-router" and int(port) == router_cluster_port
+            assert "SPLITSERVE_KV_SECRET" in secrets and "SPLITSERVE_API_KEY" not in secrets
         else:
             assert ports["http"] == args.http_port and args.host == "0.0.0.0"
+            assert ports["cluster"] == args.cluster_port == router_cluster_port
+            assert "SPLITSERVE_API_KEY" in secrets
         labels = d["spec"]["template"]["metadata"]["labels"]
         assert d["spec"]["selector"]["matchLabels"].items() <= labels.items()
 
