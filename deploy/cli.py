@@ -30,7 +30,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
                    help="HF model directory, or 'tiny'/'bench' (default: the embedded tiny model)")
-    g.add_argument("--dtype", default="bfloat16", help="model dtype (bfloat16, float16, float32)")
+    g.add_argument("--dtype", default="auto",
+                   help="model dtype: auto (what this host runs fastest: bfloat16 on GPUs and "
+                        "on CPUs with AVX512-BF16/AMX, else float32), bfloat16, float16, float32")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size per engine")
@@ -299,7 +301,7 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--max-tokens", type=int, default=32)
     gl.add_argument("--temperature", type=float, default=0.0)
     gl.add_argument("--seed", type=int, default=None)
-    gl.add_argument("--dtype", default="bfloat16")
+    gl.add_argument("--dtype", default="auto")
     gl.set_defaults(func=_generate_local)
 
     b = sub.add_parser("bench", help="SLO-driven load test against a router")

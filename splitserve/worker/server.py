@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.credentials import Access
-from splitserve.engine import build_engine
+from splitserve.engine import build_engine, concrete_dtype
 from splitserve.health import set_serving
 from splitserve.roles import Role
 from splitserve.tls import add_port
@@ -46,6 +46,10 @@ async def serve(cfg: WorkerConfig, add_servicer: AddServicer,
     engine_cfg = cfg.engine
     if engine_cfg.engine_id is None:
         engine_cfg = replace(engine_cfg, engine_id=f"{cfg.role}-{uuid.uuid4().hex[:8]}")
+    dtype, why = concrete_dtype(engine_cfg.dtype)
+    if engine_cfg.dtype == "auto":
+        _progress(f"{cfg.role} worker {engine_cfg.engine_id}: dtype {dtype} ({why})")
+        engine_cfg = replace(engine_cfg, dtype=dtype)
     board = None
     if cfg.role is Role.PREFILL and engine_cfg.kv_settings.status_file is None:
         # Where the producer publishes what it holds (splitserve/kv/board.py); ours to remove.
