@@ -132,7 +132,7 @@ class Component:
         """Block until the process serves (a worker: its engine loaded); its endpoints, with
         the node's address in place of a wildcard bind."""
         self.procs.wait_ready([self.proc], self.cfg.start_timeout_s)
-        return {k: v.replace("0.0.0.0", self.node_ip) for k, v in self.proc.endpoints.items()}
+        return self._endpoints()
 
     def info(self) -> dict:
         import warnings
@@ -144,8 +144,16 @@ class Component:
             restarted = ray.get_runtime_context().was_current_actor_reconstructed
         return {"name": self.spec.name, "role": self.spec.role and self.spec.role.value,
                 "actor_pid": os.getpid(), "pid": self.proc.popen.pid, "node": self.node_ip,
-                "endpoints": self.proc.endpoints,
+                "endpoints": self._endpoints(),
                 "restarted": restarted}
+
+    def _endpoints(self) -> dict[str, str]:
+        """Without waiting: {} while the process starts. A restarted actor is never asked
+        ready() (its process registers on its own), so this reads the ready file itself."""
+        f = self.proc.ready_file
+        if not self.proc.endpoints and f.exists() and f.read_text():
+            self.proc.endpoints = json.loads(f.read_text())
+        return {k: v.replace("0.0.0.0", self.node_ip) for k, v in self.proc.endpoints.items()}
 
     def drain(self) -> int | None:
         """Stop the process gracefully (SIGTERM, then the kill after the grace period); the
