@@ -18,6 +18,8 @@ from splitserve.credentials import bearer
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 from tests.k8s.sim import Cluster, NotConverged
 
+# Not engines, but a real router process per rollout (seconds to start on a busy host).
+pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 SECRET = {"splitserve": {"api-key": "client-key", "cluster-token": "cluster-token-123",
                          "kv-secret": "kv-secret-456"}}
