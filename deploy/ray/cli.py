@@ -20,7 +20,8 @@ import time
 
 from deploy import security_flags as sec
 
-_ENGINE_FLAGS = (("--dtype", str, "bfloat16"), ("--max-model-len", int, 4096),
+# Passed on only when given: a worker's own default is then the one in force (one place).
+_ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
                  ("--block-size", int, 128), ("--kv-cache-mib", int, 256),
                  ("--max-num-seqs", int, 64), ("--kv-failure-policy", str, "recompute"),
                  ("--kv-lease-s", float, 30.0), ("--kv-timeout-s", float, 10.0))
@@ -99,8 +100,8 @@ def _common(p: argparse.ArgumentParser, address_default: str | None = "auto") ->
 
 
 def _config_options(a: argparse.Namespace) -> dict:
-    engine = [x for flag, _, _ in _ENGINE_FLAGS
-              for x in (flag, str(getattr(a, flag[2:].replace("-", "_"))))]
+    values = {flag: getattr(a, flag[2:].replace("-", "_")) for flag, _, _ in _ENGINE_FLAGS}
+    engine = [x for flag, v in values.items() if v is not None for x in (flag, str(v))]
     return dict(name=a.name, engine_args=tuple(engine), host=a.host, grpc_port=a.grpc_port,
                 cluster_port=a.cluster_port, http_port=a.http_port,
                 cpus_per_worker=a.cpus_per_worker, gpus_per_worker=a.gpus_per_worker,
