@@ -7,6 +7,7 @@
   plan        recommend prefill:decode worker counts from bench results
   generate-local   one in-process engine, no cluster
   make-tiny-model  write the embedded default model
+  ray up|scale|status|down   a deployment on a Ray cluster (deploy/ray/)
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
 config dataclasses here and nowhere else. This module is the composition layer's front (deploy/):
 it may import every package; nothing below imports it.
@@ -315,6 +316,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_arguments(pl)
     pl.set_defaults(func=_plan)
+
+    from deploy.ray.cli import add_parser as add_ray_parser  # Ray itself loads only in a job
+
+    add_ray_parser(sub)
 
     m = sub.add_parser("make-tiny-model", help="write the embedded default model to DIR")
     m.add_argument("dir")

@@ -81,10 +81,12 @@ class DecodeSession:
         unique among the requests running on this session (the router makes them so)."""
         if req.request_id in self._queues:
             raise ValueError(f"request {req.request_id!r} is already running on {self._name}")
-        call = self._open()
         q = Inbox()
         self._queues[req.request_id] = q
         try:
+            # Opening fails too when the worker was dropped (its channel closed) after this
+            # request was routed to it: a worker failure like any other, so it migrates.
+            call = self._open()
             # Shielded: a request cancelled mid-write (the client left) must not cancel the
             # shared stream's write, which ends the stream for every request on it.
             await asyncio.shield(self._write(call, worker_pb2.SessionRequest(start=req)))

@@ -35,8 +35,9 @@ fi
 
 step "checking the install"
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, grpc, google.protobuf, transformers
+import torch, vllm, grpc, google.protobuf, transformers, ray
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  transformers {transformers.__version__}"
-      f"  grpcio {grpc.__version__}  protobuf {google.protobuf.__version__}")
+      f"  grpcio {grpc.__version__}  protobuf {google.protobuf.__version__}  ray {ray.__version__}")
+assert torch.__version__.startswith("2.13.0"), f"torch changed under us: {torch.__version__}"
 PY
 step "ready: $VENV/bin/splitserve"
