@@ -28,6 +28,10 @@ def _join(address: str | None, num_cpus: int | None = None) -> None:
     if ray.is_initialized():
         return
     if address is None:  # a new local cluster, which lives as long as this driver
+        # Ray starts its workers at nice 15, and our engines and servers are its workers' children:
+        # at that niceness anything else on the node takes their CPU first. The raylet reads this
+        # when it starts, so it holds for the cluster started here (see Component for others).
+        os.environ.setdefault("RAY_worker_niceness", "0")
         ray.init(num_cpus=num_cpus, include_dashboard=False)
     else:
         ray.init(address=address)

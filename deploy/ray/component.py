@@ -70,6 +70,20 @@ def _cores(cfg: RayConfig, ordinal: int) -> str:
     return ",".join(str(cores[(ordinal * k + j) % len(cores)]) for j in range(min(k, len(cores))))
 
 
+def _normal_priority(name: str) -> None:
+    """Ray runs its workers at nice 15 unless the cluster was started with
+    RAY_worker_niceness=0; a serving process (and its engine) at nice 15 loses every contended
+    time slice to whatever else runs on the node. Back to 0 where we may; say so where not."""
+    if os.getpriority(os.PRIO_PROCESS, 0) <= 0:
+        return
+    try:
+        os.setpriority(os.PRIO_PROCESS, 0, 0)
+    except PermissionError:
+        log.warning("%s: Ray runs this worker at nice %d and we may not lower it; start the Ray "
+                    "cluster with RAY_worker_niceness=0 so serving does not lose its CPU",
+                    name, os.getpriority(os.PRIO_PROCESS, 0))
+
+
 class Component:
     """The actor class (made remote by the controller, with its resources and restarts)."""
 
@@ -94,6 +108,7 @@ class Component:
                if k not in (API_KEY_ENV, CLUSTER_TOKEN_ENV, KV_SECRET_ENV)}
         env.update(secrets.env(spec.role))
         env.setdefault("VLLM_NO_USAGE_STATS", "1")
+        _normal_priority(spec.name)  # the process inherits our niceness
         self.procs = ProcessSet(log_dir=self.dir)
         self.proc: Proc = self.procs.spawn(spec.name, argv, spec.role, env=env)
         self.pid_file.write_text(json.dumps({"pid": self.proc.popen.pid,

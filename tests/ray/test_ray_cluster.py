@@ -110,7 +110,8 @@ def ray_cluster(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("ray")
     env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
            "SPLITSERVE_CLUSTER_TOKEN": TOKEN,  # the deployment's credential: we call workers
-           "RAY_USAGE_STATS_ENABLED": "0", "TMPDIR": str(tmp)}  # TMPDIR: components' pid files
+           "RAY_USAGE_STATS_ENABLED": "0", "TMPDIR": str(tmp),  # TMPDIR: components' pid files
+           "RAY_worker_niceness": "0"}  # as `splitserve ray up` starts its local cluster
     old = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     # Ray read its auth mode when it was imported; re-read it as ray.init itself does when it
@@ -294,10 +295,10 @@ def test_down_leaves_no_actor_process_or_kv_block(dep) -> None:
                 time.sleep(0.2)
     dep.shutdown()
     dep.down = True
-    from ray.util.state import list_actors
-
-    alive = [a for a in list_actors(filters=[("state", "!=", "DEAD")])
-             if a.get("ray_namespace") == "splitserve"]
+    # Every actor of a deployment is named (the controller, each component); Ray lists the
+    # named actors that are alive from its control store (the state API needs the dashboard).
+    alive = [a for a in ray.util.list_named_actors(all_namespaces=True)
+             if a["namespace"] == "splitserve"]
     assert not alive, alive
     deadline = time.monotonic() + 30
     while True:  # Ray reaps killed actors' processes in its own time
