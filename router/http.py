@@ -17,7 +17,6 @@ from collections.abc import AsyncIterator, Awaitable
 from typing import Any, TypeVar
 
 import anyio._backends._asyncio  # noqa: F401  (anyio loads it lazily: on the first request's TTFT)
-import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
@@ -53,9 +52,6 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
 
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
-    template = service.tokenizer.chat_template
-    chat = (jinja2.Environment(trim_blocks=True, lstrip_blocks=True).from_string(template)
-            if template else None)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -102,18 +98,13 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
         check_fields(body, chat=True)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
-                for m in messages):
+                isinstance(m, dict) and isinstance(m.get("content"), str)
+                and isinstance(m.get("role"), str) and m["role"] for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content}",
                            "messages")
-        if chat is None:
-            raise ApiError(400, "this model has no chat template", "messages")
-        text = chat.render(messages=messages, add_generation_prompt=True,
-                           bos_token=service.tokenizer.bos_token or "",
-                           eos_token=service.tokenizer.eos_token or "")
-        ids = service.tokenizer.encode(text, add_special_tokens=False)
-        req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids))
-        return await _run(service, request, req, body, chat=True)
+        req = generation_pb2.GenerateRequest(messages=generation_pb2.ChatMessages(messages=[
+            generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]))
+        return await _run(service, request, req, body, chat=True)  # rendered in prepare()
 
     app.include_router(v1)
     return app
