@@ -115,6 +115,9 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
 
     # The engine core is spawned; callers' entry points must be under `if __name__ == "__main__"`.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # The engine core's wait for its worker process to exit (vLLM's default 5 s; see
+    # SHUTDOWN_GRACE_S, which must stay longer).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "15")
     # Read by the engine's worker process, which inherits our environment when it is spawned.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
     # The engine stops if we die, even by SIGKILL (splitserve/lifeline.py, as a vLLM plugin).
@@ -125,6 +128,17 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     return AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
 
 
+# How long vLLM may take to stop an engine before it kills the engine's processes. vLLM's own
+# default is 5 s; its engine core alone waits up to 5 s for its worker process, and on a busy
+# 2-core host that worker took longer to exit, so vLLM killed them: the shared memory of their
+# message queues was never unlinked ("leaked shared_memory objects" at exit).
+SHUTDOWN_GRACE_S = 20.0
+
+
+def stop_engine(engine: AsyncLLM) -> None:
+    engine.shutdown(timeout=SHUTDOWN_GRACE_S)
+
+
 @contextmanager
 def running_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None
                    ) -> Iterator[AsyncLLM]:
@@ -133,11 +147,20 @@ def running_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None
     try:
         yield engine
     finally:
-        engine.shutdown()
+        stop_engine(engine)
         # AsyncLLM.__del__ shuts down again; left to interpreter teardown it trips over
         # half-unloaded modules. Collect it now, while everything is still importable.
         del engine
         gc.collect()
+
+
+def token_prompt(ids: list[int]):
+    """Token ids as the engine input vLLM's renderer would make of them. A plain
+    `{"prompt_token_ids": ...}` dict is a "raw prompt" to vLLM 0.32, deprecated: each engine
+    warned once on its first request."""
+    from vllm.inputs import tokens_input
+
+    return tokens_input(ids)
 
 
 def spread_cores(index: int) -> str:

@@ -26,7 +26,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.engine import build_engine
+from splitserve.engine import build_engine, stop_engine
 from splitserve.health import set_serving
 from splitserve.roles import Role
 from splitserve.worker.core import Phase, WorkerConfig, WorkerCore
@@ -94,7 +94,7 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
                        return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # asked to stop while loading
         engine = await load
-        engine.shutdown()
+        stop_engine(engine)
         await server.stop(0)
         return
     core.engine = engine = load.result()
@@ -122,7 +122,7 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
     while core.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
-    engine.shutdown()
+    stop_engine(engine)
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: stopped")
 
 
