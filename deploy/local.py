@@ -1,9 +1,14 @@
 """`splitserve up`: a whole cluster on this host — router + prefill, decode and colocated workers.
 
 Lifecycle: router process (ready file) → worker processes, each registering with the router →
-progress lines while engines load → "ready" with the address to use → on Ctrl-C / SIGTERM the
-workers drain and stop, then the router; anything still alive after the grace period is killed
-with its whole process group (vLLM engines have children of their own), so nothing is left behind.
+one progress line per component as it becomes ready → "ready" with the addresses to use → on
+Ctrl-C / SIGTERM the workers drain and stop, then the router; anything still alive after the grace
+period is killed with its whole process group (vLLM engines have children of their own), so
+nothing is left behind.
+
+The console carries only our own lines (stderr) and the answers (stdout). Every component's
+output — its engine's included — goes to a log file of its own in `log_dir`, whose path is
+printed first; with `log_dir=None` (`up --verbose`) it all goes to the console instead.
 """
 
 from __future__ import annotations
@@ -11,42 +16,74 @@ from __future__ import annotations
 import signal
 import sys
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
 
 import grpc
 
 from deploy.placement import pin_serving
-from deploy.procs import ProcessSet
+from deploy.procs import Proc, ProcessSet
 from splitserve.roles import Role
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 
+@dataclass(frozen=True)
+class UpConfig:
+    model: str  # a model directory (resolved: the workers must not race to fetch it)
+    n_prefill: int = 1
+    n_decode: int = 1
+    n_colocated: int = 0
+    grpc_port: int = 50051
+    engine_args: tuple[str, ...] = ()  # passed on to every worker
+    router_args: tuple[str, ...] = ()
+    log_dir: Path | None = None  # None: children write to our console
+    log_level: str = "INFO"  # the components' own logging
+    env: dict[str, str] | None = None  # the children's environment (None: ours)
+    start_timeout_s: float = 600.0
+
+
+def say(msg: str) -> None:
+    print(f"[splitserve] {msg}", file=sys.stderr, flush=True)
+
+
 def wait_workers(address: str, want_prefill: int, want_decode: int, cluster: ProcessSet,
-                 timeout_s: float) -> None:
+                 timeout_s: float, started: float) -> None:
+    """Until the router sees every worker; a line for each worker as its engine is ready."""
     deadline = time.monotonic() + timeout_s
+    pending: list[Proc] = [p for p in cluster.procs if p.role is not None]
     with grpc.insecure_channel(address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         while time.monotonic() < deadline:
             if cluster.dead():
-                raise RuntimeError(f"process exited during start-up: {', '.join(cluster.dead())}")
+                raise RuntimeError(f"exited during start-up: {', '.join(cluster.dead())}"
+                                   + cluster.tails())
+            for p in [p for p in pending if p.ready_file.exists() and p.ready_file.read_text()]:
+                say(f"{p.name} ready in {time.monotonic() - started:.0f} s")
+                pending.remove(p)
             try:
                 (m,) = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=2).models
-                if m.prefill_workers >= want_prefill and m.decode_workers >= want_decode:
+                if not pending and (m.prefill_workers, m.decode_workers) >= (want_prefill,
+                                                                              want_decode):
                     return
             except grpc.RpcError:
                 pass
-            time.sleep(0.5)
-    raise TimeoutError(f"workers did not all register within {timeout_s:.0f} s")
+            time.sleep(0.2)
+    where = f" (logs: {cluster.log_dir})" if cluster.log_dir else ""
+    raise TimeoutError(f"workers did not all register within {timeout_s:.0f} s{where}")
 
 
-def up(model: str, n_prefill: int, n_decode: int, n_colocated: int, grpc_port: int,
-       engine_args: list[str], router_args: list[str], start_timeout_s: float = 600.0,
-       run_until=None, cores=None) -> int:
-    """Start everything, wait until ready, block until a signal (or `run_until()` returns)."""
-    if n_decode + n_colocated == 0:
+def up(cfg: UpConfig, run_until: Callable[[str], bool] | None = None, cores=None) -> int:
+    """Start everything, wait until ready, block until a signal (or `run_until(address)` is
+    true)."""
+    if cfg.n_decode + cfg.n_colocated == 0:
         raise ValueError("a cluster needs at least one decode or colocated worker")
-    if n_prefill and not n_decode:
+    if cfg.n_prefill and not cfg.n_decode:
         raise ValueError("prefill workers need decode workers to hand their KV to")
-    cluster = ProcessSet()
+    if cfg.log_dir is not None:
+        cfg.log_dir.mkdir(parents=True, exist_ok=True)
+    cluster = ProcessSet(log_dir=cfg.log_dir, env=cfg.env)
+    level = ["--log-level", cfg.log_level]
     if cores is None:
         from splitserve.engine import spread_cores as cores  # one core per engine, round-robin
 
@@ -56,47 +93,49 @@ def up(model: str, n_prefill: int, n_decode: int, n_colocated: int, grpc_port: i
     old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         t0 = time.monotonic()
-        router = cluster.spawn("router", ["router", "--model", model, "--grpc-port",
-                                          str(grpc_port), *router_args])
+        if cfg.log_dir is not None:
+            say(f"logs: {cfg.log_dir}/ (router.log and one per worker)")
+        router = cluster.spawn("router", [*level, "router", "--model", cfg.model, "--grpc-port",
+                                          str(cfg.grpc_port), *cfg.router_args])
         cluster.wait_ready([router], 60)
         endpoints, address = router.endpoints, router.address
-        roles = ([Role.PREFILL] * n_prefill + [Role.DECODE] * n_decode
-                 + [Role.COLOCATED] * n_colocated)
+        roles = ([Role.PREFILL] * cfg.n_prefill + [Role.DECODE] * cfg.n_decode
+                 + [Role.COLOCATED] * cfg.n_colocated)
+        names = []
         for i, role in enumerate(roles):
-            cluster.spawn(f"{role}-{i}", [role.value, "--model", model, "--router", address,
-                                          "--worker-id", f"{role}-{i}", *engine_args,
-                                          "--cpu-cores", cores(i)], role)
-        print(f"[splitserve] up: router on {address}; starting {len(roles)} worker(s) "
-              f"({n_prefill} prefill, {n_decode} decode, {n_colocated} colocated)",
-              file=sys.stderr, flush=True)
-        wait_workers(address, n_prefill, n_decode + n_colocated, cluster, start_timeout_s)
+            name = f"{role}-{i}"
+            cluster.spawn(name, [*level, role.value, "--model", cfg.model, "--router", address,
+                                 "--worker-id", name, *cfg.engine_args, "--cpu-cores",
+                                 cores(i)], role)
+            names.append(f"{name} (core {cores(i)})")
+        say(f"router on {address}; loading {', '.join(names)} ...")
+        wait_workers(address, cfg.n_prefill, cfg.n_decode + cfg.n_colocated, cluster,
+                     cfg.start_timeout_s, t0)
         pinned = pin_serving([p.popen.pid for p in cluster.procs],
                              [cores(i) for i in range(len(roles))])
-        if pinned:
-            print(f"[splitserve] router and worker servers pinned to core(s) "
-                  f"{','.join(map(str, sorted(pinned)))}; engines keep their own",
-                  file=sys.stderr, flush=True)
+        if pinned and cfg.log_dir is None:  # a detail for those who asked for details
+            say(f"router and worker servers pinned to core(s) "
+                f"{','.join(map(str, sorted(pinned)))}; engines keep their own")
         http = endpoints.get("http")
-        print(f"[splitserve] ready in {time.monotonic() - t0:.0f} s. gRPC: {address}"
-              + (f"  HTTP (OpenAI API): {http}/v1  metrics: {http}/metrics" if http else "")
-              + "\n"
-              f"[splitserve] try: splitserve generate \"Hello\" --router {address}",
-              file=sys.stderr, flush=True)
+        say(f"ready in {time.monotonic() - t0:.0f} s. gRPC: {address}"
+            + (f"  OpenAI API: {http}/v1  metrics: {http}/metrics" if http else ""))
         if run_until is None:
+            say(f"try: splitserve chat --router {address}   (Ctrl-C here stops the cluster)")
             print(address, flush=True)  # stdout: the one thing scripts need
         while True:
             if run_until is not None and run_until(address):
                 break
             if cluster.dead():
-                print(f"[splitserve] exited unexpectedly: {', '.join(cluster.dead())}",
-                      file=sys.stderr)
+                say(f"exited unexpectedly: {', '.join(cluster.dead())}" + cluster.tails())
                 return 1
             time.sleep(0.2)
         return 0
     except KeyboardInterrupt:
         return 0
     finally:
-        print("[splitserve] stopping ...", file=sys.stderr, flush=True)
+        say("stopping ...")
+        t_stop = time.monotonic()
         cluster.stop()
+        say(f"stopped in {time.monotonic() - t_stop:.0f} s")
         for s, h in old.items():
             signal.signal(s, h)

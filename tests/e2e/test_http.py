@@ -215,7 +215,7 @@ def test_readme_curl_and_openai_examples_work_as_written(cl: ProcCluster) -> Non
     base = cl.by_name["A"].endpoints["http"]
 
     def here(code: str) -> str:
-        return code.replace("http://127.0.0.1:8000", base).replace("tiny-seed0", _name(cl))
+        return code.replace("http://127.0.0.1:8000", base).replace('"smollm2"', f'"{_name(cl)}"')
 
     (curl,) = [b for b in _readme_blocks("bash") if b.startswith("curl")]
     out = subprocess.run(["bash", "-c", here(curl)], capture_output=True, text=True, timeout=60)
