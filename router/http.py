@@ -13,7 +13,7 @@ import contextlib
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio._backends._asyncio  # noqa: F401  (anyio loads it lazily: on the first request's TTFT)
@@ -84,7 +84,7 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            req = generation_pb2.GenerateRequest(text=prompt)
+            req = _unicode("prompt", lambda: generation_pb2.GenerateRequest(text=prompt))
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                               and -2**63 <= t < 2**63 for t in prompt):
             req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt))
@@ -102,8 +102,10 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
                 and isinstance(m.get("role"), str) and m["role"] for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content}",
                            "messages")
-        req = generation_pb2.GenerateRequest(messages=generation_pb2.ChatMessages(messages=[
-            generation_pb2.ChatMessage(role=m["role"], content=m["content"]) for m in messages]))
+        req = _unicode("messages", lambda: generation_pb2.GenerateRequest(
+            messages=generation_pb2.ChatMessages(messages=[
+                generation_pb2.ChatMessage(role=m["role"], content=m["content"])
+                for m in messages])))
         return await _run(service, request, req, body, chat=True)  # rendered in prepare()
 
     app.include_router(v1)
@@ -146,6 +148,14 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
         if not _neutral(value, _NEUTRAL[key]):
             raise ApiError(400, f"{key} is not supported: only {_NEUTRAL[key][1]!r} or null is "
                                 f"accepted, got {value!r}", key)
+
+
+def _unicode(param: str, build: Callable[[], T]) -> T:
+    """JSON may carry lone surrogates ("\\ud800"), which no UTF-8 field can hold."""
+    try:
+        return build()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} is not valid Unicode: {e.reason}", param) from e
 
 
 async def _json(request: Request, max_bytes: int) -> dict[str, Any]:
