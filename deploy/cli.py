@@ -123,12 +123,12 @@ def _up(a: argparse.Namespace) -> int:
     import tempfile
 
     from deploy.local import UpConfig, say, up
-    from splitserve.models import resolve_dtype, resolve_model
+    from splitserve.models import DEFAULT_MODEL, resolve_dtype, resolve_model
 
     # Fetched (or generated) once here, with progress, before the workers would race for it.
     model = resolve_model(a.model, fetch=True)
     a.dtype = resolve_dtype(a.dtype, model)  # every worker the same, as KV transfer requires
-    say(f"model {a.model or 'smollm2'}: {model} ({a.dtype})")
+    say(f"model {a.model or DEFAULT_MODEL}: {model} ({a.dtype})")
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
                    "--http-port", str(a.http_port)]
