@@ -6,15 +6,22 @@ it. One JSON command per line in, one JSON reply per line out:
   {"op": "hold", "transfer_id": T, "block_ids": [...]}   start a lease (vLLM request id = T)
   {"op": "release", "transfer_id": T}                    → {"state": <state before>}
   {"op": "finished"}   → {"finished": [ids vLLM may free], "status": {...}, "total": {...}}
+  {"op": "connections"}  → {"connections": side-channel connections served now, "accepted":
+                            connections ever accepted,
+                            "threads": the producer's threads (accept loop included)}
   {"op": "quit"}
+The configuration is JSON in argv, except the shared secret: it goes in $SPLITSERVE_KV_SECRET,
+as a worker's engine gets it, because a command line is readable by every user of the host.
 `ProducerProc` is the parent's handle on such a process.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -22,7 +29,7 @@ from typing import Any
 import torch
 
 from splitserve.kv.producer import Producer
-from splitserve.kv.settings import ConnectorSettings
+from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket, TransferId
@@ -34,7 +41,8 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULTS: dict[str, Any] = {
     "num_layers": 3, "num_blocks": 16, "shape": [2, 32, 128], "dtype": "bfloat16", "model": "m",
     "block_size": 32, "seed": 7, "engine_id": "fake-p", "port": 0, "copy_out": False,
-    "lease_s": 30.0, "timeout_s": 5.0, "secret": None, "stall_before_send_s": 0.0}
+    "lease_s": 30.0, "timeout_s": 5.0, "secret": None, "stall_before_send_s": 0.0,
+    "max_connections": 64}
 
 
 def make_caches(num_layers: int, num_blocks: int, shape: list[int], dtype: str, seed: int
@@ -49,16 +57,19 @@ def caches_of(cfg: dict[str, Any], seed: int | None = None) -> dict[str, torch.T
                        cfg["seed"] if seed is None else seed)
 
 
-def settings_of(cfg: dict[str, Any]) -> ConnectorSettings:
+def settings_of(cfg: dict[str, Any], secret: str | None) -> ConnectorSettings:
     return ConnectorSettings(side_channel_port=cfg["port"], lease_s=cfg["lease_s"],
-                             timeout_s=cfg["timeout_s"], secret=cfg["secret"],
-                             stall_before_send_s=cfg["stall_before_send_s"])
+                             timeout_s=cfg["timeout_s"], secret=secret,
+                             stall_before_send_s=cfg["stall_before_send_s"],
+                             max_connections=cfg["max_connections"])
 
 
 def main(cfg: dict[str, Any]) -> None:
+    cfg = {**DEFAULTS, **cfg}
     caches = caches_of(cfg)
     spec = spec_from_caches(cfg["model"], cfg["block_size"], caches)
-    prod = Producer(cfg["engine_id"], settings_of(cfg), TransferStats(), cfg["copy_out"])
+    settings = settings_of(cfg, os.environ.get(KV_SECRET_ENV) or None)
+    prod = Producer(cfg["engine_id"], settings, TransferStats(), cfg["copy_out"])
     prod.start(caches, spec)
     print(json.dumps({"ready": True, "port": prod.side_port, "fingerprint": spec.fingerprint()}),
           flush=True)
@@ -70,6 +81,9 @@ def main(cfg: dict[str, Any]) -> None:
             reply: dict[str, Any] = {"ok": True}
         elif op == "release":
             reply = {"state": prod.release(TransferId(cmd["transfer_id"]))}
+        elif op == "connections":
+            reply = {"connections": prod.connections, "accepted": prod.accepted, "threads": sum(
+                t.name.startswith("kv-producer") for t in threading.enumerate())}
         elif op == "finished":
             reply = {"finished": sorted(prod.take_finished()), "status": prod.status(),
                      "total": prod.stats.total.to_dict()}
@@ -86,8 +100,12 @@ class ProducerProc:
         unknown = set(overrides) - set(DEFAULTS)
         assert not unknown, f"unknown producer settings {unknown}"
         self.cfg = {**DEFAULTS, **overrides}
+        public = {k: v for k, v in self.cfg.items() if k != "secret"}
+        env = {k: v for k, v in os.environ.items() if k != KV_SECRET_ENV}
+        if self.cfg["secret"]:
+            env[KV_SECRET_ENV] = self.cfg["secret"]
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.kv_producer",
-                                      json.dumps(self.cfg)], cwd=ROOT, text=True,
+                                      json.dumps(public)], cwd=ROOT, text=True, env=env,
                                      stdin=subprocess.PIPE, stdout=subprocess.PIPE)
         hello = json.loads(self.proc.stdout.readline())
         assert hello["ready"]

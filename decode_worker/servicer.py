@@ -7,6 +7,8 @@ stream back until a finish reason. Without a ticket the worker prefills locally:
 colocated role, and the router's choice for prompts too short to be worth a transfer.
 The router sends its requests over one DecodeSession (session.py: per engine step, one batch for
 all of them); Decode serves a single request, for direct callers.
+A ticket must carry a router's voucher when this worker has the cluster credential
+(router/vouch.py): otherwise whoever could call us could make the engine dial any address.
 A cancelled request (a session's cancel, or a cancelled Decode call: client gone, deadline, stop
 string) aborts the vLLM request, freeing its blocks (and, if it had not pulled yet, telling the
 producer to release its copy).
@@ -27,6 +29,7 @@ from splitserve.roles import Role
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.worker.convert import finish_reason_to_proto, sampling_to_vllm
 from splitserve.worker.core import WorkerCore, rpc_errors
+from splitserve.worker.errors import PermissionDenied
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["DecodeWorker"].full_name
 
@@ -58,6 +61,11 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
         ticket = KVTicket.from_proto(request.ticket) if request.HasField("ticket") else None
         if ticket is not None and self.core.cfg.role is not Role.DECODE:
             raise ValueError(f"ticket: this worker cannot pull KV (role {self.core.cfg.role})")
+        key = self.core.ticket_key
+        if ticket is not None and key is not None and not ticket.vouched_by(key):
+            # Before the engine sees it: an unvouched ticket could name any host:port to dial.
+            raise PermissionDenied(f"ticket {ticket.transfer_id}: not vouched for by a router "
+                                   f"of this cluster (docs/security.md)")
         with self.core.admit() as engine:
             if self.core.cfg.debug_stall_decode_s:
                 await asyncio.sleep(self.core.cfg.debug_stall_decode_s)

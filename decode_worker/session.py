@@ -18,7 +18,7 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 
 from splitserve.v1 import worker_pb2
-from splitserve.worker.errors import Unavailable
+from splitserve.worker.errors import PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -83,8 +83,9 @@ class Session:
                 self._emit(worker_pb2.SessionEvent(request_id=rid, output=out))
         except asyncio.CancelledError:
             pass  # cancelled by the router (or the session ended): nobody waits for more
-        except (ValueError, Unavailable) as e:
+        except (ValueError, Unavailable, PermissionDenied) as e:
             code = (grpc.StatusCode.INVALID_ARGUMENT if isinstance(e, ValueError)
+                    else grpc.StatusCode.PERMISSION_DENIED if isinstance(e, PermissionDenied)
                     else grpc.StatusCode.UNAVAILABLE)
             self._emit(worker_pb2.SessionEvent(request_id=rid, error_code=code.value[0],
                                                error_message=str(e)))

@@ -14,18 +14,20 @@ import sys
 import grpc
 
 from splitserve.client import Turn, build_request, stream
+from splitserve.tls import TLSConfig, sync_channel
 from splitserve.v1 import generation_pb2_grpc
 
 COMMANDS = "/reset forgets the conversation, /exit (or Ctrl-D) ends it"
 
 
 def run(router: str, system: str | None, max_tokens: int, temperature: float,
-        seed: int | None, timeout_s: float, api_key: str | None) -> int:
+        seed: int | None, timeout_s: float, api_key: str | None,
+        tls: TLSConfig | None = None) -> int:
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"[splitserve] chatting with {router}; {COMMANDS}", file=sys.stderr)
     history: list[Turn] = []
-    with grpc.insecure_channel(router) as ch:
+    with sync_channel(router, tls) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         while True:
             try:

@@ -8,6 +8,7 @@
   plan        recommend prefill:decode worker counts from bench results
   generate-local   one in-process engine, no cluster
   make-tiny-model  write the embedded default model
+  ray up|scale|status|down   a deployment on a Ray cluster (deploy/ray/)
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
 config dataclasses here and nowhere else. This module is the composition layer's front (deploy/):
 it may import every package; nothing below imports it.
@@ -22,6 +23,7 @@ import os
 import sys
 from pathlib import Path
 
+from deploy import security_flags as sec
 from splitserve import lifeline
 from splitserve.roles import Role
 
@@ -32,8 +34,9 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="HF model directory, 'smollm2' (the default: SmolLM2-135M-Instruct, "
                         "see fetch-model) or 'tiny'/'bench' (generated, random weights)")
     g.add_argument("--dtype", default="auto",
-                   help="bfloat16, float16, float32, or auto: as the checkpoint is stored "
-                        "(default)")
+                   help="model dtype: auto (float32 for a checkpoint stored in float32, else "
+                        "what this host runs fastest: bfloat16 on GPUs and on CPUs with "
+                        "AVX512-BF16/AMX, float32 elsewhere), bfloat16, float16, float32")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size per engine")
@@ -44,7 +47,7 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host", default="127.0.0.1", help="address peers use for KV transfer")
     g.add_argument("--kv-lease-s", type=float, default=30.0)
     g.add_argument("--kv-timeout-s", type=float, default=10.0)
-    g.add_argument("--kv-secret", default=None, help="shared secret (or $SPLITSERVE_KV_SECRET)")
+    sec.add_kv_secret(g)
 
 
 def _engine_argv(a: argparse.Namespace) -> list[str]:
@@ -52,8 +55,9 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
     out = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--block-size",
            str(a.block_size), "--kv-cache-mib", str(a.kv_cache_mib), "--max-num-seqs",
            str(a.max_num_seqs), "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
-           a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s)]
-    return out + (["--kv-secret", a.kv_secret] if a.kv_secret else [])
+           a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s),
+           "--kv-max-connections", str(a.kv_max_connections)]
+    return out  # the KV secret travels in the environment (deploy/local.py), never in argv
 
 
 def _worker(role: Role):
@@ -61,21 +65,27 @@ def _worker(role: Role):
         from deploy.worker import run as run_worker
         from splitserve.engine import EngineConfig
         from splitserve.kv.settings import ConnectorSettings
-        from splitserve.models import resolve_dtype, resolve_model
+        from splitserve.models import resolve_model
         from splitserve.worker.core import WorkerConfig
 
         kv = ConnectorSettings(host=a.kv_host, lease_s=a.kv_lease_s, timeout_s=a.kv_timeout_s,
-                               secret=a.kv_secret)
-        model = resolve_model(a.model)
+                               secret=sec.kv_secret_of(a), max_connections=a.kv_max_connections)
+        token = sec.cluster_token_of(a)
+        sec.require_on_network(a.host, f"a {role} worker", token, "a cluster credential "
+                               "($SPLITSERVE_CLUSTER_TOKEN or --cluster-token-file)")
+        if role.kv_role is not None:
+            sec.require_on_network(a.kv_host, "a KV side channel", kv.secret, "a KV secret "
+                                   "($SPLITSERVE_KV_SECRET or --kv-secret-file)")
         engine = EngineConfig(
-            model=model, dtype=resolve_dtype(a.dtype, model), max_model_len=a.max_model_len,
+            model=resolve_model(a.model), dtype=a.dtype, max_model_len=a.max_model_len,
             block_size=a.block_size, kv_cache_mib=a.kv_cache_mib, max_num_seqs=a.max_num_seqs,
             kv_role=role.kv_role, kv_settings=kv, kv_failure_policy=a.kv_failure_policy,
             cpu_cores=a.cpu_cores)
         cfg = WorkerConfig(role=role, engine=engine, host=a.host, port=a.port, router=a.router,
                            worker_id=a.worker_id, model_name=a.model_name,
                            metrics_port=a.metrics_port, advertise_host=a.advertise_host,
-                           debug_stall_decode_s=a.debug_stall_decode_s)
+                           debug_stall_decode_s=a.debug_stall_decode_s, cluster_token=token,
+                           tls=sec.tls_of(a))
         run_worker(cfg, a.ready_file)
         return 0
     return run
@@ -89,12 +99,16 @@ def _router(a: argparse.Namespace) -> int:
 
     model_dir = resolve_model(a.model)
     aliases = tuple(dict.fromkeys(n for n in (a.model, model_dir, *a.model_alias) if n))
+    token = sec.cluster_token_of(a)
+    sec.require_on_network(a.host, "a router", token, "a cluster credential "
+                           "($SPLITSERVE_CLUSTER_TOKEN or --cluster-token-file): anyone could "
+                           "register a worker and receive prompts")
     cfg = RouterConfig(
         model_dir=model_dir, model_name=a.model_name, model_aliases=aliases, host=a.host,
-        port=a.grpc_port,
+        port=a.grpc_port, cluster_port=a.cluster_port, cluster_token=token, tls=sec.tls_of(a),
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
         local_prefill_threshold=a.local_prefill_threshold, http_port=a.http_port,
-        api_key=a.api_key, limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
+        api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
         max_migrations=a.max_migrations,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
         static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
@@ -123,12 +137,12 @@ def _up(a: argparse.Namespace) -> int:
     import tempfile
 
     from deploy.local import UpConfig, say, up
-    from splitserve.models import DEFAULT_MODEL, resolve_dtype, resolve_model
+    from deploy.local_security import local_security
+    from splitserve.models import DEFAULT_MODEL, resolve_model
 
     # Fetched (or generated) once here, with progress, before the workers would race for it.
     model = resolve_model(a.model, fetch=True)
-    a.dtype = resolve_dtype(a.dtype, model)  # every worker the same, as KV transfer requires
-    say(f"model {a.model or DEFAULT_MODEL}: {model} ({a.dtype})")
+    say(f"model {a.model or DEFAULT_MODEL}: {model}")
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
                    "--http-port", str(a.http_port)]
@@ -136,8 +150,10 @@ def _up(a: argparse.Namespace) -> int:
         router_args += ["--model-alias", a.model]
     for k in _LIMIT_FLAGS:
         router_args += [f"--{k.replace('_', '-')}", str(getattr(a, k))]
-    if a.api_key:
-        router_args += ["--api-key", a.api_key]
+    if a.api_key_file:
+        router_args += ["--api-key-file", a.api_key_file]  # a path; the key stays in the file
+    api_keys = sec.api_keys_of(a)
+    api_key = api_keys[0] if api_keys else None
     run_until = None
     if a.demo is not None:
         from router.text import RouterTokenizer
@@ -145,10 +161,10 @@ def _up(a: argparse.Namespace) -> int:
 
         chat = RouterTokenizer(model).chat_template is not None
 
-        def run_until(address: str) -> bool:  # answer one request, then stop the cluster
+        def run_until(address: str, tls) -> bool:  # answer one request, then stop the cluster
             say(f"demo: {a.demo!r} " + ("as a chat message" if chat else "as text")
                 + f" (greedy, at most {DEMO_MAX_TOKENS} tokens)")
-            if generate(address, a.demo, DEMO_MAX_TOKENS, 0.0, None, 300.0, a.api_key,
+            if generate(address, a.demo, DEMO_MAX_TOKENS, 0.0, None, 300.0, api_key, tls,
                         chat=chat) != 0:
                 raise RuntimeError("the demo request failed")
             return True
@@ -160,8 +176,8 @@ def _up(a: argparse.Namespace) -> int:
     cfg = UpConfig(model=model, n_prefill=a.prefill, n_decode=a.decode,
                    n_colocated=a.colocated, grpc_port=a.grpc_port,
                    engine_args=tuple(_engine_argv(a)), router_args=tuple(router_args),
-                   log_dir=log_dir, log_level=level,
-                   env={**os.environ, "VLLM_LOGGING_LEVEL": level})
+                   log_dir=log_dir, log_level=level, extra_env={"VLLM_LOGGING_LEVEL": level},
+                   secure=local_security(a), ready_file=a.ready_file, api_key=api_key)
     return up(cfg, run_until=run_until)
 
 
@@ -170,8 +186,9 @@ def _generate(a: argparse.Namespace) -> int:
 
     if a.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
+    keys = sec.api_keys_of(a)
     return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout,
-                    a.api_key, chat=a.chat)
+                    keys[0] if keys else None, sec.tls_of(a), chat=a.chat)
 
 
 def _chat(a: argparse.Namespace) -> int:
@@ -179,7 +196,9 @@ def _chat(a: argparse.Namespace) -> int:
 
     if a.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
-    return run(a.router, a.system, a.max_tokens, a.temperature, a.seed, a.timeout, a.api_key)
+    keys = sec.api_keys_of(a)
+    return run(a.router, a.system, a.max_tokens, a.temperature, a.seed, a.timeout,
+               keys[0] if keys else None, sec.tls_of(a))
 
 
 def _fetch_model(a: argparse.Namespace) -> int:
@@ -232,9 +251,7 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="HTTP body / gRPC message size (default %(default)s)")
     p.add_argument("--max-timeout-s", type=float, default=d.max_timeout_s,
                    help="largest HTTP `timeout` field accepted (default %(default)s)")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"),
-                   help="require `Authorization: Bearer KEY` on /v1/* and on gRPC Generation "
-                        "(default $SPLITSERVE_API_KEY)")
+    sec.add_api_key(p)
 
 
 def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -243,7 +260,8 @@ def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
-    p.add_argument("--api-key", default=os.environ.get("SPLITSERVE_API_KEY"))
+    sec.add_api_key(p)
+    sec.add_tls(p, client_only=True)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -268,6 +286,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="components' and engines' logs on this console instead of log files")
     u.add_argument("--log-dir", default=None,
                    help="where the components' log files go (default: a new temp dir)")
+    u.add_argument("--tls", action="store_true",
+                   help="TLS on every listener, mutual between components, with a throwaway CA "
+                        "(its files are printed; they go when the cluster stops)")
+    u.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
     u.set_defaults(func=_up)
 
     r = sub.add_parser("router", help="the router alone")
@@ -279,8 +301,13 @@ def build_parser() -> argparse.ArgumentParser:
                         "given is always accepted, as vLLM does")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--grpc-port", type=int, default=50051)
+    r.add_argument("--cluster-port", type=int, default=None,
+                   help="serve the Registry here instead of on --grpc-port (mutual TLS with "
+                        "--tls-ca; 0: any free port)")
     r.add_argument("--max-model-len", type=int, default=4096)
     _router_flags(r)
+    sec.add_cluster_token(r)
+    sec.add_tls(r)
     r.add_argument("--local-prefill-threshold", type=int, default=0)
     r.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose worker failed is re-run on other workers")
@@ -302,13 +329,16 @@ def build_parser() -> argparse.ArgumentParser:
         w.add_argument("--advertise-host", default=None,
                        help="address the router should dial (default: --host); e.g. the pod IP")
         w.add_argument("--port", type=int, default=0, help="gRPC port (0: any free port)")
-        w.add_argument("--router", default=None, help="router address to register with")
+        w.add_argument("--router", default=None,
+                       help="router address to register with (its --cluster-port if it has one)")
         w.add_argument("--worker-id", default=None)
         w.add_argument("--model-name", default=None)
         w.add_argument("--metrics-port", type=int, default=0,
                        help="Prometheus /metrics port (0: any free port)")
         w.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
         w.add_argument("--debug-stall-decode-s", type=float, default=0.0, help=argparse.SUPPRESS)
+        sec.add_cluster_token(w)
+        sec.add_tls(w)
         w.set_defaults(func=_worker(role))
 
     g = sub.add_parser("generate", help="stream a completion from a router")
@@ -349,6 +379,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     plan_arguments(pl)
     pl.set_defaults(func=_plan)
+
+    from deploy.ray.cli import add_parser as add_ray_parser  # Ray itself loads only in a job
+
+    add_ray_parser(sub)
 
     m = sub.add_parser("make-tiny-model", help="write the embedded default model to DIR")
     m.add_argument("dir")

@@ -13,18 +13,23 @@ printed first; with `log_dir=None` (`up --verbose`) it all goes to the console i
 
 from __future__ import annotations
 
+import json
+import os
 import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import grpc
 
+from deploy.local_security import LocalSecurity
 from deploy.placement import pin_serving
 from deploy.procs import Proc, ProcessSet
+from splitserve.credentials import bearer
 from splitserve.roles import Role
+from splitserve.tls import TLSConfig, sync_channel
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 
@@ -39,7 +44,12 @@ class UpConfig:
     router_args: tuple[str, ...] = ()
     log_dir: Path | None = None  # None: children write to our console
     log_level: str = "INFO"  # the components' own logging
-    env: dict[str, str] | None = None  # the children's environment (None: ours)
+    extra_env: dict[str, str] = field(default_factory=dict)  # for every child, over the rest
+    # The cluster's credentials (deploy/local_security.py), given to each child in its
+    # environment; the Registry gets a port of its own (mutual TLS with `--tls`).
+    secure: LocalSecurity | None = None
+    ready_file: str | None = None  # tests: where everything is, written once ready
+    api_key: str | None = None  # what our own calls to the router present
     start_timeout_s: float = 600.0
 
 
@@ -48,11 +58,12 @@ def say(msg: str) -> None:
 
 
 def wait_workers(address: str, want_prefill: int, want_decode: int, cluster: ProcessSet,
-                 timeout_s: float, started: float) -> None:
+                 timeout_s: float, started: float, tls: TLSConfig | None = None,
+                 api_key: str | None = None) -> None:
     """Until the router sees every worker; a line for each worker as its engine is ready."""
     deadline = time.monotonic() + timeout_s
     pending: list[Proc] = [p for p in cluster.procs if p.role is not None]
-    with grpc.insecure_channel(address) as ch:
+    with sync_channel(address, tls) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         while time.monotonic() < deadline:
             if cluster.dead():
@@ -62,7 +73,8 @@ def wait_workers(address: str, want_prefill: int, want_decode: int, cluster: Pro
                 say(f"{p.name} ready in {time.monotonic() - started:.0f} s")
                 pending.remove(p)
             try:
-                (m,) = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=2).models
+                (m,) = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=2,
+                                       metadata=bearer(api_key)).models
                 if not pending and (m.prefill_workers, m.decode_workers) >= (want_prefill,
                                                                               want_decode):
                     return
@@ -73,19 +85,27 @@ def wait_workers(address: str, want_prefill: int, want_decode: int, cluster: Pro
     raise TimeoutError(f"workers did not all register within {timeout_s:.0f} s{where}")
 
 
-def up(cfg: UpConfig, run_until: Callable[[str], bool] | None = None, cores=None) -> int:
-    """Start everything, wait until ready, block until a signal (or `run_until(address)` is
-    true)."""
+def up(cfg: UpConfig, run_until: Callable[[str, TLSConfig | None], bool] | None = None,
+       cores=None) -> int:
+    """Start everything, wait until ready, block until a signal (or `run_until(address, tls)`
+    is true)."""
     if cfg.n_decode + cfg.n_colocated == 0:
         raise ValueError("a cluster needs at least one decode or colocated worker")
     if cfg.n_prefill and not cfg.n_decode:
         raise ValueError("prefill workers need decode workers to hand their KV to")
     if cfg.log_dir is not None:
         cfg.log_dir.mkdir(parents=True, exist_ok=True)
-    cluster = ProcessSet(log_dir=cfg.log_dir, env=cfg.env)
-    level = ["--log-level", cfg.log_level]
+    cluster = ProcessSet(log_dir=cfg.log_dir)
     if cores is None:
         from splitserve.engine import spread_cores as cores  # one core per engine, round-robin
+    secure = cfg.secure
+    level = ["--log-level", cfg.log_level]
+    sec_args = secure.args() if secure else []
+
+    def env(router: bool) -> dict[str, str] | None:
+        if secure is None and not cfg.extra_env:
+            return None
+        return {**(secure.env(router=router) if secure else os.environ), **cfg.extra_env}
 
     def on_signal(signum, frame):
         raise KeyboardInterrupt  # unwinds any wait below into the cleanup in `finally`
@@ -96,21 +116,24 @@ def up(cfg: UpConfig, run_until: Callable[[str], bool] | None = None, cores=None
         if cfg.log_dir is not None:
             say(f"logs: {cfg.log_dir}/ (router.log and one per worker)")
         router = cluster.spawn("router", [*level, "router", "--model", cfg.model, "--grpc-port",
-                                          str(cfg.grpc_port), *cfg.router_args])
+                                          str(cfg.grpc_port), "--cluster-port", "0", *sec_args,
+                                          *cfg.router_args], env=env(router=True))
         cluster.wait_ready([router], 60)
         endpoints, address = router.endpoints, router.address
+        tls = secure.tls if secure else None
         roles = ([Role.PREFILL] * cfg.n_prefill + [Role.DECODE] * cfg.n_decode
                  + [Role.COLOCATED] * cfg.n_colocated)
         names = []
         for i, role in enumerate(roles):
             name = f"{role}-{i}"
-            cluster.spawn(name, [*level, role.value, "--model", cfg.model, "--router", address,
-                                 "--worker-id", name, *cfg.engine_args, "--cpu-cores",
-                                 cores(i)], role)
+            cluster.spawn(name, [*level, role.value, "--model", cfg.model, "--router",
+                                 endpoints["cluster"], "--worker-id", name, *cfg.engine_args,
+                                 *sec_args, "--cpu-cores", cores(i)], role,
+                          env=env(router=False))
             names.append(f"{name} (core {cores(i)})")
         say(f"router on {address}; loading {', '.join(names)} ...")
         wait_workers(address, cfg.n_prefill, cfg.n_decode + cfg.n_colocated, cluster,
-                     cfg.start_timeout_s, t0)
+                     cfg.start_timeout_s, t0, tls, cfg.api_key)
         pinned = pin_serving([p.popen.pid for p in cluster.procs],
                              [cores(i) for i in range(len(roles))])
         if pinned and cfg.log_dir is None:  # a detail for those who asked for details
@@ -119,11 +142,19 @@ def up(cfg: UpConfig, run_until: Callable[[str], bool] | None = None, cores=None
         http = endpoints.get("http")
         say(f"ready in {time.monotonic() - t0:.0f} s. gRPC: {address}"
             + (f"  OpenAI API: {http}/v1  metrics: {http}/metrics" if http else ""))
+        if cfg.ready_file:  # tests: where everything is
+            cluster.wait_ready(timeout_s=60)  # registered, so ready: this reads their endpoints
+            Path(cfg.ready_file).write_text(json.dumps({
+                "router": endpoints, "workers": {p.name: p.endpoints for p in cluster.procs
+                                                 if p.role is not None},
+                "tls": None if tls is None else {"cert": tls.cert, "key": tls.key,
+                                                 "ca": tls.ca}}))
         if run_until is None:
-            say(f"try: splitserve chat --router {address}   (Ctrl-C here stops the cluster)")
+            say(f"try: splitserve chat --router {address}"
+                + (f" --tls-ca {tls.ca}" if tls else "") + "   (Ctrl-C here stops the cluster)")
             print(address, flush=True)  # stdout: the one thing scripts need
         while True:
-            if run_until is not None and run_until(address):
+            if run_until is not None and run_until(address, tls):
                 break
             if cluster.dead():
                 say(f"exited unexpectedly: {', '.join(cluster.dead())}" + cluster.tails())
@@ -136,6 +167,8 @@ def up(cfg: UpConfig, run_until: Callable[[str], bool] | None = None, cores=None
         say("stopping ...")
         t_stop = time.monotonic()
         cluster.stop()
+        if secure is not None:
+            secure.cleanup()
         say(f"stopped in {time.monotonic() - t_stop:.0f} s")
         for s, h in old.items():
             signal.signal(s, h)

@@ -19,7 +19,7 @@ def run(args: argparse.Namespace) -> int:
 async def _stream(args: argparse.Namespace) -> int:
     from router.text import RouterTokenizer
     from splitserve.engine import EngineConfig, running_engine, token_prompt
-    from splitserve.models import resolve_dtype, resolve_model
+    from splitserve.models import resolve_model
 
     if args.max_tokens < 1:
         raise ValueError("--max-tokens must be >= 1")
@@ -28,8 +28,7 @@ async def _stream(args: argparse.Namespace) -> int:
     print(f"[splitserve] model {model}; starting a vLLM engine (~15-30 s on CPU) ...",
           file=sys.stderr, flush=True)
     t0 = time.monotonic()
-    with running_engine(EngineConfig(model=model, dtype=resolve_dtype(args.dtype, model))
-                        ) as engine:
+    with running_engine(EngineConfig(model=model, dtype=args.dtype)) as engine:
         from vllm import SamplingParams
         from vllm.sampling_params import RequestOutputKind
 

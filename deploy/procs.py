@@ -65,14 +65,16 @@ class ProcessSet:
         self.procs: list[Proc] = []
 
     def spawn(self, name: str, args: list[str], role: Role | None = None,
-              module: str = "deploy.cli") -> Proc:
-        """`module`: what `python -m` runs (a benchmark's stand-in takes the same flags)."""
+              module: str = "deploy.cli", env: dict[str, str] | None = None) -> Proc:
+        """`module`: what `python -m` runs (a benchmark's stand-in takes the same flags).
+        `env`: this child's environment instead of the set's (how secrets reach it: never
+        in `args`, which every user of the host can read)."""
         ready = self.dir / name
         out = open(self.log_dir / f"{name}.log", "w") if self.log_dir else None
         try:
             # The child stops if we die, even by SIGKILL (splitserve/lifeline.py).
-            env = {**(self.env if self.env is not None else os.environ),
-                   PARENT_ENV: str(os.getpid())}
+            base = env if env is not None else self.env if self.env is not None else os.environ
+            env = {**base, PARENT_ENV: str(os.getpid())}
             p = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file",
                                   str(ready)], env=env, stdout=out,
                                  stderr=subprocess.STDOUT if out else None,

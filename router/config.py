@@ -5,6 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from router.validation import RequestLimits
+from splitserve.tls import TLSConfig
 
 
 @dataclass(frozen=True)
@@ -15,7 +16,10 @@ class RouterConfig:
     # (benchmark tools send the path they were given).
     model_aliases: tuple[str, ...] = ()
     host: str = "127.0.0.1"
-    port: int = 50051  # gRPC (public Generation + internal Registry); 0 picks a free port
+    port: int = 50051  # gRPC (public Generation, and the Registry unless cluster_port); 0 = any
+    # The Registry on a port of its own, with mutual TLS when `tls` has a CA (the public port
+    # cannot demand client certificates: API clients have none). None = on the public port.
+    cluster_port: int | None = None
     http_port: int | None = None  # OpenAI-compatible HTTP + /metrics + /health; None = off
     max_model_len: int = 4096  # prompt + max_tokens limit; must match the workers' engines
     max_concurrency: int = 64  # requests in flight through the router at once
@@ -30,7 +34,11 @@ class RouterConfig:
     static_prefill: tuple[str, ...] = ()
     static_decode: tuple[str, ...] = ()
     static_colocated: tuple[str, ...] = ()
-    api_key: str | None = None  # when set, clients must send `authorization: Bearer <key>`
+    # Clients must send `authorization: Bearer <one of these>` (none = open); workers must send
+    # the cluster credential to register (None = anyone may). See splitserve/credentials.py.
+    api_keys: tuple[str, ...] = field(default=(), repr=False)
+    cluster_token: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = None  # every listener and every channel to workers; None = plaintext
     limits: RequestLimits = field(default_factory=RequestLimits)
     # A request whose worker fails is re-run on others (prompt + tokens so far) this many times.
     max_migrations: int = 2

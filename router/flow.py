@@ -148,7 +148,8 @@ async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.S
                   ticket: common_pb2.KvTicket | None, w: Worker, deadline: float | None,
                   timings: FlowTimings) -> AsyncIterator[TokenEvent]:
     """The decode worker's events for this request, over the worker's shared session. Events
-    that are already waiting are merged into one: the client gets one message for them."""
+    that are already waiting are merged into one: the client gets one message for them (the
+    session drops a request's inbox at its last event, so a finish is always the last)."""
     rid = f"{request_id}-d"
     req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                    sampling=sampling)
@@ -159,12 +160,15 @@ async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.S
     done = False
     try:
         async with asyncio.timeout(_left(deadline)):
-            q = await w.session.start(req)
+            inbox = await w.session.start(req)
             while not done:
-                ev = _check(await q.get(), w)
-                tokens, logprobs = list(ev.output.token_ids), list(ev.output.logprobs)
-                while not q.empty() and not ev.output.HasField("finish_reason"):
-                    ev = _check(q.get_nowait(), w)
+                tokens: list[int] = []
+                logprobs: list[float] = []
+                for ev in await inbox.take():
+                    if isinstance(ev, Broken) or ev.error_code:
+                        if tokens:  # what arrived before the failure still reaches the client
+                            yield TokenEvent(tokens, logprobs)
+                        raise _failure(ev, w)
                     tokens += ev.output.token_ids
                     logprobs += ev.output.logprobs
                 out = ev.output
@@ -186,15 +190,14 @@ async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.S
             w.session.cancel_soon(rid)  # aborts the worker's request when we stop early
 
 
-def _check(ev: worker_pb2.SessionEvent | Broken, w: Worker) -> worker_pb2.SessionEvent:
+def _failure(ev: worker_pb2.SessionEvent | Broken, w: Worker) -> RequestFailed:
+    """What a broken session or a worker's error event means for the request."""
     if isinstance(ev, Broken):
-        raise WorkerFailed(w.worker_id, f"decode on {w.role} worker {w.worker_id} failed: "
-                                        f"{ev.message}")
-    if ev.error_code:
-        code = _STATUS.get(ev.error_code, grpc.StatusCode.UNAVAILABLE)
-        msg = f"decode on {w.role} worker {w.worker_id} failed: {code.name}: {ev.error_message}"
-        raise RequestFailed(code, msg) if code in _PASSTHROUGH else WorkerFailed(w.worker_id, msg)
-    return ev
+        return WorkerFailed(w.worker_id, f"decode on {w.role} worker {w.worker_id} failed: "
+                                         f"{ev.message}")
+    code = _STATUS.get(ev.error_code, grpc.StatusCode.UNAVAILABLE)
+    msg = f"decode on {w.role} worker {w.worker_id} failed: {code.name}: {ev.error_message}"
+    return RequestFailed(code, msg) if code in _PASSTHROUGH else WorkerFailed(w.worker_id, msg)
 
 
 def remaining(sp: common_pb2.SamplingParams, done: int) -> common_pb2.SamplingParams:

@@ -223,8 +223,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         text, stop_reason = stop.feed(detok.push(ev.token_ids))
                     chunk = generation_pb2.GenerateResponse(request_id=rid, token_ids=ev.token_ids,
                                                             text=text)
-                    chunk.logprobs.extend(generation_pb2.TokenLogprob(token_id=t, logprob=lp)
-                                          for t, lp in zip(ev.token_ids, ev.logprobs))
+                    if ev.logprobs:
+                        chunk.logprobs.extend(generation_pb2.TokenLogprob(token_id=t, logprob=lp)
+                                              for t, lp in zip(ev.token_ids, ev.logprobs))
                     finish = ev.finish_reason
                     if stop_reason is not None:
                         finish = common_pb2.FINISH_REASON_STOP

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import json.encoder
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -23,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from router.errors import InvalidArgument, RequestFailed
 from router.generation import GenerationService
+from splitserve.credentials import matches
 from splitserve.v1 import common_pb2, generation_pb2
 
 T = TypeVar("T")
@@ -42,11 +44,11 @@ class ApiError(Exception):
 
 
 def build_app(service: GenerationService, registry: CollectorRegistry,
-              api_key: str | None = None) -> FastAPI:
+              api_keys: tuple[str, ...] = ()) -> FastAPI:
     # A dependency of the /v1 routes, not an HTTP middleware: Starlette's BaseHTTPMiddleware
     # relays a streaming body through a memory channel, which cost every request ~60 ms of TTFT.
     async def auth(request: Request) -> None:
-        if api_key and request.headers.get("authorization") != f"Bearer {api_key}":
+        if api_keys and not matches(request.headers.get("authorization"), api_keys):
             raise ApiError(401, "invalid or missing API key", kind="authentication_error",
                            code="invalid_api_key")
 
@@ -331,11 +333,18 @@ async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str,
         return _event({"id": rid, "object": obj, "created": created, "model": model,
                        "choices": [choice], **({"usage": None} if include_usage else {})})
 
+    # Every chunk but the last differs only in its text: the event around it is rendered once
+    # (json.dumps of the whole object cost ~5 µs a token; the text alone, ~0.3 µs).
+    head, tail = event(generation_pb2.GenerateResponse(text=_MARK)).split(_encode(_MARK))
+
+    def token_event(c) -> str:
+        return event(c) if c.HasField("finish_reason") else head + _encode(c.text) + tail
+
     try:
-        yield event(first)
+        yield token_event(first)
         async for c in chunks:
             last = c
-            yield event(c)
+            yield token_event(c)
     except ApiError as e:  # mid-stream: headers are sent, so the error goes in the stream
         yield _event({"error": {"message": str(e), "type": e.kind, "code": e.status}})
         return
@@ -349,3 +358,7 @@ async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str,
 
 def _event(obj: dict[str, Any]) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
+
+
+_MARK = "\x00text\x00"  # stands for a chunk's text while its event is rendered
+_encode = json.encoder.encode_basestring  # a str as JSON, as json.dumps(ensure_ascii=False)

@@ -21,7 +21,10 @@ from dataclasses import dataclass, field
 import grpc
 
 from router.session import DecodeSession
+from router.vouch import VouchingPrefill
+from splitserve.credentials import with_token
 from splitserve.roles import Role
+from splitserve.tls import TLSConfig, aio_channel
 from splitserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb2, worker_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -51,9 +54,13 @@ class Worker:
 
 
 class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
-    def __init__(self, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0):
+    def __init__(self, heartbeat_interval_s: float = 1.0, heartbeat_timeout_s: float = 10.0,
+                 tls: TLSConfig | None = None, cluster_token: str | None = None,
+                 ticket_key: bytes | None = None):
         self.heartbeat_interval_s = heartbeat_interval_s
         self.heartbeat_timeout_s = heartbeat_timeout_s
+        # How we reach workers: their TLS and their credential (their RPCs want it).
+        self._tls, self._token, self._ticket_key = tls, cluster_token, ticket_key
         self._workers: dict[str, Worker] = {}
         self._static: list[tuple[Role, str]] = []
         self._retiring: set[asyncio.Task] = set()
@@ -73,7 +80,8 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
         if role is None or not request.grpc_address or not request.worker_id:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT,
                                 "worker_id, a known role and grpc_address are required")
-        self._add(request.worker_id, role, request.grpc_address, request.model, request.capacity)
+        self._add(request.worker_id, role, request.grpc_address, request.model, request.capacity,
+                  request.engine_id, request.kv_address)
         return registry_pb2.RegisterResponse(heartbeat_interval_s=self.heartbeat_interval_s)
 
     async def Heartbeat(self, request: registry_pb2.HeartbeatRequest, context):
@@ -91,15 +99,20 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
 
     # -- membership --------------------------------------------------------------------------
     def _add(self, worker_id: str, role: Role, address: str, model: str,
-             capacity: registry_pb2.WorkerCapacity, static: bool = False) -> Worker:
+             capacity: registry_pb2.WorkerCapacity, engine_id: str = "", kv_address: str = "",
+             static: bool = False) -> Worker:
         old = self._workers.get(worker_id)
-        if old is not None and old.address == address:
+        if old is not None and old.address == address and (
+                old.role is not Role.PREFILL
+                or (old.stub.engine_id, old.stub.kv_address) == (engine_id, kv_address)):
             old.last_seen = time.monotonic()
             return old
         if old is not None:
             self._retire(old)
-        channel = grpc.aio.insecure_channel(address)
-        stub = worker_stub(role, channel)
+        channel = aio_channel(address, self._tls)
+        stub = with_token(worker_stub(role, channel), self._token)
+        if role is Role.PREFILL:  # its tickets pass on only if they name it (router/vouch.py)
+            stub = VouchingPrefill(stub, engine_id, kv_address, self._ticket_key)
         w = Worker(worker_id, role, address, model, capacity, channel, stub,
                    DecodeSession(stub, worker_id) if role.decodes else None, time.monotonic(),
                    static=static)
@@ -154,14 +167,18 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
         w = self._workers.get(wid)
         try:
             if w is None:
-                async with grpc.aio.insecure_channel(address) as ch:
-                    stats = await worker_stub(role, ch).Stats(worker_pb2.StatsRequest(),
+                async with aio_channel(address, self._tls) as ch:
+                    stub = with_token(worker_stub(role, ch), self._token)
+                    stats = await stub.Stats(worker_pb2.StatsRequest(),
                                              timeout=self.heartbeat_interval_s)
                 w = self._add(wid, role, address, stats.model, registry_pb2.WorkerCapacity(),
-                              static=True)
+                              stats.engine_id, stats.kv_address, static=True)
             else:
                 stats = await w.stub.Stats(worker_pb2.StatsRequest(),
                                            timeout=self.heartbeat_interval_s)
+                # A prefill worker restarted at the same address has a new engine and KV port.
+                w = self._add(wid, role, address, stats.model, w.capacity, stats.engine_id,
+                              stats.kv_address, static=True)
             w.last_seen = time.monotonic()
             w.load.CopyFrom(stats.load)
         except grpc.aio.AioRpcError:

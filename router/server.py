@@ -1,6 +1,10 @@
-"""Run the router: one gRPC server with the public Generation service and the internal
-Registry, plus health and reflection. Health is SERVING once at least one worker can take a
-request, NOT_SERVING before that and while draining on SIGTERM.
+"""Run the router: a gRPC server with the public Generation service and the internal Registry
+(or the Registry on a cluster port of its own), plus health and reflection. Health is SERVING
+once at least one worker can take a request, NOT_SERVING before that and while draining.
+
+Who may call what (docs/security.md): Generation and HTTP /v1 want an API key, the Registry the
+cluster credential (splitserve/credentials.py); with TLS every listener speaks it, and the cluster
+port demands a client certificate signed by the CA (splitserve/tls.py).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ from router.http import build_app
 from router.metrics import RouterMetrics
 from router.registry import WorkerRegistry
 from router.text import RouterTokenizer
+from splitserve.credentials import Access, ticket_key
 from splitserve.health import set_serving
 from splitserve.roles import Role
+from splitserve.tls import add_port, warn_if_exposed
 from splitserve.v1 import generation_pb2, generation_pb2_grpc, registry_pb2, registry_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -44,39 +50,62 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
     served = cfg.model_name or Path(cfg.model_dir).name
     metrics_registry = CollectorRegistry()
     metrics = RouterMetrics(metrics_registry, served)
-    registry = WorkerRegistry(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s)
+    registry = WorkerRegistry(cfg.heartbeat_interval_s, cfg.heartbeat_timeout_s, cfg.tls,
+                              cfg.cluster_token, ticket_key(cfg.cluster_token))
     for role, addrs in ((Role.PREFILL, cfg.static_prefill), (Role.DECODE, cfg.static_decode),
                         (Role.COLOCATED, cfg.static_colocated)):
         for a in addrs:
             registry.add_static(role, a)
     service = GenerationService(cfg, registry, RouterTokenizer(cfg.model_dir), served, metrics)
-    interceptors = [ApiKeyInterceptor(cfg.api_key)] if cfg.api_key else []
+    access = Access(cfg.api_keys, cfg.cluster_token)
+    interceptors = [i for i in [access.interceptor()] if i is not None]
     # grpc's own default is 4 MiB; ours is the same limit as the HTTP body's, and a flag.
     size = cfg.limits.max_request_bytes
     server = grpc.aio.server(interceptors=interceptors, options=[
         ("grpc.max_receive_message_length", size)])
     generation_pb2_grpc.add_GenerationServicer_to_server(service, _StrictParsing(server))
-    registry_pb2_grpc.add_RegistryServicer_to_server(registry, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    servers = [server]
+    if cfg.cluster_port is None:
+        registry_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+        if cfg.tls is not None and cfg.tls.ca:
+            log.warning("the Registry shares the public port, which cannot demand client "
+                        "certificates: give it --cluster-port for mutual TLS")
+    else:
+        cluster = grpc.aio.server(interceptors=interceptors)
+        registry_pb2_grpc.add_RegistryServicer_to_server(registry, cluster)
+        health_pb2_grpc.add_HealthServicer_to_server(health_servicer, cluster)
+        servers.append(cluster)
     reflection.enable_server_reflection([*SERVICES, health.SERVICE_NAME, reflection.SERVICE_NAME],
                                         server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
-    await server.start()
+    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls, client_auth=False)
     address = f"{cfg.host}:{port}"
     endpoints = {"grpc": address}
+    if cfg.cluster_port is not None:
+        cport = add_port(cluster, f"{cfg.host}:{cfg.cluster_port}", cfg.tls,
+                         client_auth=cfg.tls is not None and cfg.tls.ca is not None)
+        endpoints["cluster"] = f"{cfg.host}:{cport}"
+    for s in servers:
+        await s.start()
     http_task = None
     if cfg.http_port is not None:
         sock = socket.create_server((cfg.host, cfg.http_port))
         # Accepted connections inherit it. Without it, Nagle held each stream's first small
         # write until the client's delayed ACK: ~40 ms on every time to first token.
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        endpoints["http"] = f"http://{cfg.host}:{sock.getsockname()[1]}"
-        app = build_app(service, metrics_registry, cfg.api_key)
+        scheme = "https" if cfg.tls else "http"
+        endpoints["http"] = f"{scheme}://{cfg.host}:{sock.getsockname()[1]}"
+        if cfg.tls is None:
+            warn_if_exposed(cfg.host, "HTTP")
+        app = build_app(service, metrics_registry, cfg.api_keys)
+        tls = {} if cfg.tls is None else {"ssl_certfile": cfg.tls.cert,
+                                          "ssl_keyfile": cfg.tls.key}
         http = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=cfg.drain_timeout_s))
+                                           timeout_graceful_shutdown=cfg.drain_timeout_s, **tls))
         http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
     print(f"[splitserve] router: gRPC on {address}"
+          + (f", cluster (Registry) on {endpoints['cluster']}" if "cluster" in endpoints else "")
           + (f", HTTP (OpenAI API, /metrics) on {endpoints['http']}" if http_task else "")
           + f", serving {served!r}", file=sys.stderr, flush=True)
     if ready_file:
@@ -94,7 +123,7 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
     log.info("router draining: %d request(s) in flight", service.admission.running)
     if http_task is not None:
         http.should_exit = True
-    await asyncio.gather(server.stop(grace=cfg.drain_timeout_s),
+    await asyncio.gather(*(s.stop(grace=cfg.drain_timeout_s) for s in servers),
                          *([http_task] if http_task is not None else []))
     await asyncio.gather(*tasks)
 
@@ -152,34 +181,6 @@ class _QuietServer(uvicorn.Server):
     @contextlib.contextmanager
     def capture_signals(self):
         yield
-
-
-class ApiKeyInterceptor(grpc.aio.ServerInterceptor):
-    """`authorization: Bearer <key>` on the public Generation service (workers' Registry calls
-    and health checks stay open: they are internal)."""
-
-    def __init__(self, key: str) -> None:
-        self._expected = f"Bearer {key}"
-
-    async def intercept_service(self, continuation, details):
-        if details.method.startswith("/splitserve.v1.Generation/"):
-            md = dict(details.invocation_metadata or ())
-            if md.get("authorization") != self._expected:
-                return _deny(details.method)
-        return await continuation(details)
-
-
-def _deny(method: str):
-    async def abort(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
-
-    async def abort_stream(request, context):
-        await context.abort(grpc.StatusCode.UNAUTHENTICATED, "invalid or missing API key")
-        yield  # pragma: no cover
-
-    if method.endswith("/Generate"):
-        return grpc.unary_stream_rpc_method_handler(abort_stream)
-    return grpc.unary_unary_rpc_method_handler(abort)
 
 
 async def _track_health(service: GenerationService, h: health.aio.HealthServicer,

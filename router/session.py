@@ -1,16 +1,17 @@
 """The router's side of a decode session: one stream to a decode worker, shared by its requests.
 
 Lifecycle: opened on the first request to the worker (and again after it broke) → `start(req)`
-registers the request's queue and sends `start` → a reader task takes the worker's batches and
-puts each event on its request's queue → the request's consumer (flow.py) reads its queue until
-the finish event → `cancel_soon(id)` when it stops early. If the stream breaks (worker gone),
-every request still on it gets a `Broken` carrying the status; the next `start` opens afresh.
-Writes are serialised (a gRPC stream takes one at a time).
+registers the request's inbox and sends `start` → a reader task takes the worker's batches and
+puts each event in its request's inbox → the request's consumer (flow.py) takes what its inbox
+holds until the finish event → `cancel_soon(id)` when it stops early. If the stream breaks
+(worker gone), every request still on it gets a `Broken` carrying the status; the next `start`
+opens afresh. Writes are serialised (a gRPC stream takes one at a time).
 """
 
 from __future__ import annotations
 
 import asyncio
+import collections
 import logging
 from dataclasses import dataclass
 
@@ -29,30 +30,69 @@ class Broken:
     message: str
 
 
+class Inbox:
+    """One request's events, in arrival order. Lighter than an asyncio.Queue (one consumer, no
+    bound: the per-token path runs through it) and drained whole: events that arrived while the
+    consumer was busy are taken together and become one message to the client."""
+
+    __slots__ = ("_items", "_waiter")
+
+    def __init__(self) -> None:
+        self._items: collections.deque = collections.deque()
+        self._waiter: asyncio.Future | None = None
+
+    def put(self, event) -> None:
+        self._items.append(event)
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def _wait(self) -> None:
+        while not self._items:
+            self._waiter = asyncio.get_running_loop().create_future()
+            try:
+                await self._waiter
+            finally:
+                self._waiter = None
+
+    async def take(self) -> list:
+        """Every event waiting, at least one (waits for it)."""
+        await self._wait()
+        items = list(self._items)
+        self._items.clear()
+        return items
+
+    async def get(self):
+        """The next event (waits for it)."""
+        await self._wait()
+        return self._items.popleft()
+
+
 class DecodeSession:
     def __init__(self, stub, name: str) -> None:
         self._stub = stub  # DecodeWorkerStub
         self._name = name
         self._call = None
-        self._queues: dict[str, asyncio.Queue] = {}
+        self._queues: dict[str, Inbox] = {}
         self._write_lock = asyncio.Lock()
         self._tasks: set[asyncio.Task] = set()
 
-    async def start(self, req: worker_pb2.DecodeRequest) -> asyncio.Queue:
-        """The queue the request's events (or a Broken) will arrive on. Request ids must be
+    async def start(self, req: worker_pb2.DecodeRequest) -> Inbox:
+        """The inbox the request's events (or a Broken) will arrive in. Request ids must be
         unique among the requests running on this session (the router makes them so)."""
         if req.request_id in self._queues:
             raise ValueError(f"request {req.request_id!r} is already running on {self._name}")
-        call = self._open()
-        q: asyncio.Queue = asyncio.Queue()
+        q = Inbox()
         self._queues[req.request_id] = q
         try:
+            # Opening fails too when the worker was dropped (its channel closed) after this
+            # request was routed to it: a worker failure like any other, so it migrates.
+            call = self._open()
             # Shielded: a request cancelled mid-write (the client left) must not cancel the
             # shared stream's write, which ends the stream for every request on it.
             await asyncio.shield(self._write(call, worker_pb2.SessionRequest(start=req)))
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
             self._queues.pop(req.request_id, None)
-            q.put_nowait(Broken(grpc.StatusCode.UNAVAILABLE,
+            q.put(Broken(grpc.StatusCode.UNAVAILABLE,
                                 f"decode session to {self._name} is down: {e}"))
         return q
 
@@ -93,7 +133,7 @@ class DecodeSession:
                     last = ev.error_code or ev.output.HasField("finish_reason")
                     q = (self._queues.pop if last else self._queues.get)(ev.request_id, None)
                     if q is not None:
-                        q.put_nowait(ev)
+                        q.put(ev)
         except grpc.aio.AioRpcError as e:
             broken = Broken(grpc.StatusCode.UNAVAILABLE,
                             f"decode session to {self._name} broke: {e.code().name}: "
@@ -104,7 +144,7 @@ class DecodeSession:
             if self._call is call:
                 self._call = None
             for q in self._queues.values():
-                q.put_nowait(broken)
+                q.put(broken)
             self._queues.clear()
 
     async def close(self) -> None:

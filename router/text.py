@@ -12,13 +12,14 @@ Only stdlib and `tokenizers` here: the router must not import torch or vllm.
 
 from __future__ import annotations
 
+import codecs
 import json
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import Any
 
 from tokenizers import Tokenizer
-from tokenizers.decoders import DecodeStream
+from tokenizers.decoders import ByteLevel, DecodeStream
 
 # Prompt tokens kept as left context for the first generated tokens (vLLM uses the same number):
 # decoders such as SentencePiece's strip the leading space of the first token they see.
@@ -95,6 +96,11 @@ class RouterTokenizer:
             if eos_id is not None:
                 eos.add(eos_id)
         self._eos_ids = frozenset(eos)
+        table = _byte_level_table(self._tok)
+        # Per skip_special_tokens: a special token skipped is a token with no bytes.
+        self._id_bytes = None if table is None else {
+            False: table, True: tuple(b"" if i in self._special_ids else b
+                                      for i, b in enumerate(table))}
 
     def encode(self, text: str, *, add_special_tokens: bool = True) -> list[int]:
         """Token ids of `text`; the post-processor adds BOS etc. as the engine would."""
@@ -133,12 +139,53 @@ class RouterTokenizer:
         """The underlying `tokenizers.Tokenizer` (for incremental decoding)."""
         return self._tok
 
+    def id_bytes(self, skip_special_tokens: bool) -> tuple[bytes, ...] | None:
+        """Each id's bytes when decoding is byte-level (see `_byte_level_table`), else None."""
+        return None if self._id_bytes is None else self._id_bytes[skip_special_tokens]
+
+
+def _byte_alphabet() -> dict[str, int]:
+    """Byte-level BPE's printable stand-in for each byte (GPT-2's table): bytes that print as
+    themselves keep their code point, the others are moved to 256 and up, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    moved = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + k): b for k, b in enumerate(moved)}}
+
+
+def _byte_level_table(tok: Tokenizer) -> tuple[bytes, ...] | None:
+    """Each token id's bytes, when the tokenizer decodes byte-level (GPT-2, Llama 3, Qwen,
+    SmolLM): decoding ids is then decoding their bytes, concatenated, as UTF-8 (invalid bytes
+    replaced), so a stream needs no tokenizer call per token -- DecodeStream costs ~8 µs a
+    token, the largest share of the router's own per-token work. A token with a character
+    outside the byte alphabet (an added token's plain text) stands for its UTF-8, as the
+    decoder does. None for other decoders, or if the table and the tokenizer disagree on any
+    single id (checked for every id, once, at start-up)."""
+    if not isinstance(tok.decoder, ByteLevel):
+        return None
+    alphabet = _byte_alphabet()
+    n = tok.get_vocab_size(with_added_tokens=True)
+    table = []
+    for i in range(n):
+        piece = tok.id_to_token(i) or ""
+        try:
+            table.append(bytes(alphabet[c] for c in piece))
+        except KeyError:
+            table.append(piece.encode())
+    decoded = tok.decode_batch([[i] for i in range(n)], skip_special_tokens=False)
+    if any(b.decode(errors="replace") != d for b, d in zip(table, decoded)):
+        return None
+    return tuple(table)
+
 
 class IncrementalDetokenizer:
     """Streams text for generated token ids without splitting a UTF-8 character.
 
-    The work is tokenizers' own `DecodeStream` (one Rust call per token, keeping a small window
-    of left context: byte-level BPE and SentencePiece decoders depend on neighbouring tokens).
+    Byte-level tokenizers (`RouterTokenizer.id_bytes`): each id's bytes go through an
+    incremental UTF-8 decoder, which holds back an unfinished character and replaces invalid
+    bytes as the tokenizer's own decode does. Other tokenizers use tokenizers' `DecodeStream`
+    (one Rust call per token, keeping a small window of left context: SentencePiece decoders
+    depend on neighbouring tokens).
     It returns nothing while a character's bytes are incomplete; the tokens it holds back are
     remembered so that `flush()` can give out what they decode to when generation ends there
     (a truly invalid byte sequence). Without `prompt_ids` the concatenated deltas plus `flush()`
@@ -150,18 +197,29 @@ class IncrementalDetokenizer:
                  prompt_ids: Sequence[int] = ()) -> None:
         self._raw = tokenizer.raw
         self._skip = skip_special_tokens
-        context = [int(i) for i in prompt_ids[-_CONTEXT_TOKENS:]] if prompt_ids else None
-        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
         self._held: list[int] = []  # pushed since the stream last gave text
         self.num_tokens = 0  # generated tokens pushed so far
+        self._bytes = tokenizer.id_bytes(skip_special_tokens)
+        if self._bytes is not None:
+            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            return
+        context = [int(i) for i in prompt_ids[-_CONTEXT_TOKENS:]] if prompt_ids else None
+        self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)
 
-    def push(self, ids: Iterable[int]) -> str:
+    def push(self, ids: Sequence[int]) -> str:
         """Add generated token ids; return the text that became final with them."""
+        self.num_tokens += len(ids)
+        table = self._bytes
+        if table is not None:
+            try:
+                data = b"".join([table[i] for i in ids])
+            except IndexError:  # an id past the tokenizer's vocabulary (a padded embedding)
+                data = b"".join([table[i] for i in ids if 0 <= i < len(table)])
+            return self._utf8.decode(data)
         out: list[str] = []
         step, raw, held = self._stream.step, self._raw, self._held
         for i in ids:
             i = int(i)
-            self.num_tokens += 1
             piece = step(raw, i)
             if piece is None:
                 held.append(i)
@@ -172,6 +230,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """Text still held back at the end of generation (e.g. a truly invalid byte sequence)."""
+        if self._bytes is not None:
+            return self._utf8.decode(b"", final=True)
         held, self._held = self._held, []
         return self._raw.decode(held, skip_special_tokens=self._skip) if held else ""
 

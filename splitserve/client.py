@@ -13,6 +13,8 @@ from typing import TextIO
 
 import grpc
 
+from splitserve.credentials import bearer
+from splitserve.tls import TLSConfig, sync_channel
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 FINISH = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
@@ -38,7 +40,7 @@ def stream(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.Gen
            out: TextIO = sys.stdout) -> str:
     """Write the answer to `out` as it streams, the summary to stderr; return the answer.
     Raises grpc.RpcError."""
-    metadata = [("authorization", f"Bearer {api_key}")] if api_key else None
+    metadata = bearer(api_key) or None
     text, last = [], None
     for chunk in stub.Generate(request, timeout=timeout_s, metadata=metadata):
         out.write(chunk.text)
@@ -59,11 +61,12 @@ def stream(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.Gen
 
 
 def generate(router: str, prompt: str, max_tokens: int, temperature: float, seed: int | None,
-             timeout_s: float | None, api_key: str | None = None, chat: bool = False) -> int:
+             timeout_s: float | None, api_key: str | None = None,
+             tls: TLSConfig | None = None, chat: bool = False) -> int:
     """One completion (`chat`: of `prompt` as the user's message); the exit status."""
     request = build_request([("user", prompt)] if chat else prompt, max_tokens, temperature,
                             seed)
-    with grpc.insecure_channel(router) as ch:
+    with sync_channel(router, tls) as ch:
         try:
             stream(generation_pb2_grpc.GenerationStub(ch), request, timeout_s, api_key)
         except grpc.RpcError as e:

@@ -106,16 +106,11 @@ def resolve_model(model: str | None, fetch: bool = False) -> str:
     return str(path)
 
 
-def resolve_dtype(dtype: str, model_dir: str) -> str:
-    """`--dtype auto`: the dtype the checkpoint is stored in (its config.json), bfloat16 when it
-    does not say. Not vLLM's own "auto", which runs float32 checkpoints in bf16: on CPU that
-    turned SmolLM2's answer to "What is the capital of France?" into nonsense, while float32
-    gives transformers' exact answer; a checkpoint stored in float32 is asking for it."""
-    if dtype != "auto":
-        return dtype
+def stored_dtype(model_dir: str) -> str | None:
+    """The dtype a checkpoint's config.json says its weights are stored in, if it says."""
     try:
         cfg = json.loads((Path(model_dir) / "config.json").read_text())
     except (OSError, ValueError):
-        return "bfloat16"
+        return None
     stored = cfg.get("dtype") or cfg.get("torch_dtype")
-    return stored if stored in ("float32", "bfloat16", "float16") else "bfloat16"
+    return stored if isinstance(stored, str) else None

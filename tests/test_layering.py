@@ -29,8 +29,8 @@ from splitserve.v1 import generation_pb2, generation_pb2_grpc
 ROOT = Path(__file__).resolve().parent.parent
 ABOVE_CORE = {"router", "prefill_worker", "decode_worker", "deploy", "bench", "tests"}
 FORBIDDEN = {
-    "splitserve": ABOVE_CORE,
-    "router": ABOVE_CORE - {"router"} | {"torch", "vllm", "transformers"},
+    "splitserve": ABOVE_CORE | {"ray"},  # Ray is a way to deploy: deploy/ray/ alone uses it
+    "router": ABOVE_CORE - {"router"} | {"torch", "vllm", "transformers", "ray"},
     "prefill_worker": ABOVE_CORE - {"prefill_worker"},
     "decode_worker": ABOVE_CORE - {"decode_worker"},
 }

@@ -3,14 +3,13 @@ what `fetch-model` refuses."""
 
 from __future__ import annotations
 
-import json
 import zipfile
 from pathlib import Path
 
 import pytest
 
 from splitserve import models
-from splitserve.models import PACKAGED, resolve_dtype, resolve_model
+from splitserve.models import PACKAGED, resolve_model
 
 
 def test_the_default_is_smollm2_and_a_missing_one_says_how_to_fetch_it(
@@ -22,15 +21,6 @@ def test_the_default_is_smollm2_and_a_missing_one_says_how_to_fetch_it(
     d.mkdir(parents=True)
     (d / "config.json").write_text("{}")
     assert resolve_model(None) == resolve_model("smollm2") == str(d)
-
-
-def test_auto_dtype_is_the_stored_one(tmp_path: Path) -> None:
-    assert resolve_dtype("auto", str(tmp_path)) == "bfloat16"  # no config: the old default
-    (tmp_path / "config.json").write_text(json.dumps({"dtype": "float32"}))
-    assert resolve_dtype("auto", str(tmp_path)) == "float32"
-    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float16"}))
-    assert resolve_dtype("auto", str(tmp_path)) == "float16"
-    assert resolve_dtype("bfloat16", str(tmp_path)) == "bfloat16"
 
 
 def test_fetch_refuses_a_gguf_that_is_not_the_pinned_one(

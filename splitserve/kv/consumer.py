@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import secrets
 import socket
 import threading
 import time
@@ -37,13 +38,22 @@ from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.spec import KVSpec
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket
-from splitserve.kv.wire import WireError, auth_proof, recv_msg, send_msg
+from splitserve.kv.wire import (
+    CONSUMER,
+    PRODUCER,
+    WireError,
+    auth_proof,
+    check_proof,
+    recv_msg,
+    send_msg,
+)
 
 log = logging.getLogger(__name__)
 
 
 class IncompatiblePeer(TransferError):
-    """The producer refused the handshake (different model/dtype/layout, or bad secret)."""
+    """The handshake failed: the producer refused us (different model/dtype/layout, bad secret)
+    or could not prove the shared secret itself."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -216,17 +226,29 @@ class Consumer:
         except OSError as e:
             raise TransferError(f"cannot reach KV producer at {host}:{port}: {e}") from e
         try:
-            challenge = recv_msg(sock)
-            pair_key = f"{challenge.get('engine_id')}/{self.engine_id}/{uuid.uuid4().hex}"
+            first = recv_msg(sock)
+            if first.get("op") != "challenge" or not isinstance(first.get("challenge"), str):
+                raise IncompatiblePeer(f"KV producer at {host}:{port} refused: "
+                                       f"{first.get('error', 'no challenge')}")
+            theirs, ours = first["challenge"], secrets.token_hex(16)
+            pair_key = f"{first.get('engine_id')}/{self.engine_id}/{uuid.uuid4().hex}"
             send_msg(sock, {"op": "hello", "engine_id": self.engine_id, "pair_key": pair_key,
                             "expect_engine_id": engine_id or None, "spec": self._spec.to_dict(),
-                            "proof": auth_proof(s.secret, challenge["challenge"])
+                            "challenge": ours,
+                            "proof": auth_proof(s.secret, CONSUMER, theirs, ours, pair_key)
                             if s.secret else ""})
             reply = recv_msg(sock)
             if not reply.get("ok"):
                 raise IncompatiblePeer(
                     f"KV producer at {host}:{port} refused: {reply.get('error')}")
-            store = connect_store(host, int(reply["store_port"]), s.timeout_s)
+            store_port = str(reply.get("store_port"))
+            # The producer proves the secret too, before we go near the store it names: a
+            # peer without it could otherwise pose as a producer and feed us bytes.
+            if s.secret and not check_proof(s.secret, PRODUCER, theirs, ours, store_port,
+                                            reply.get("proof")):
+                raise IncompatiblePeer(f"KV producer at {host}:{port} did not prove the shared "
+                                       f"secret: authentication failed")
+            store = connect_store(host, int(store_port), s.timeout_s)
             device = next(iter(self._kv.values())).device
             chan = PairChannel(store, pair_key, CONSUMER_RANK, device, s.timeout_s, s.host)
         except BaseException:

@@ -7,7 +7,8 @@ no credential, nothing anyone outside the process can call. (Each call wakes the
 then busy-polls for a second on CPU hosts, so it is for rare events only; counts are read from
 the producer's board instead, board.py.)
 
-API side: `await kv_release(engine, transfer_id)`.
+API side: `await kv_release(engine, transfer_id)`; `await kv_endpoint(engine)` once at start-up
+(the side channel's address, which the worker registers so the router can vouch for its tickets).
 """
 
 from __future__ import annotations
@@ -24,6 +25,10 @@ class KVControl:
         producer = _producer()
         return producer.release(transfer_id) if producer is not None else "unknown"
 
+    def splitserve_kv_endpoint(self) -> str:
+        producer = _producer()
+        return f"{producer.settings.host}:{producer.side_port}" if producer is not None else ""
+
 
 def _producer():
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -36,3 +41,8 @@ async def kv_release(engine: Any, transfer_id: str) -> str:
     states = await engine.collective_rpc("splitserve_kv_release", args=(transfer_id,))
     known = [s for s in states if s != "unknown"]
     return known[0] if known else "unknown"
+
+
+async def kv_endpoint(engine: Any) -> str:
+    """host:port of the engine's KV side channel ("" when it has no producer)."""
+    return next((a for a in await engine.collective_rpc("splitserve_kv_endpoint") if a), "")

@@ -15,7 +15,10 @@ Lifecycle of one transfer here (states and their bookkeeping: transfers.py):
 `take_finished()` hands vLLM the requests whose blocks it may free (finished_sending).
 
 One thread per consumer connection serves its pulls in order; each connection owns one pair
-channel (a 2-rank process group), so pairs never contend for a group or a staging buffer.
+channel (a 2-rank process group), so pairs never contend for a group or a staging buffer. At
+most `max_connections` are served at once: one more is told so and closed, costing no thread.
+A connection starts with the mutual handshake: both sides prove the shared secret before the
+producer reveals its rendezvous store or anything about its cache (`_handshake`).
 """
 
 from __future__ import annotations
@@ -36,7 +39,15 @@ from splitserve.kv.spec import KVSpec
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import TransferId
 from splitserve.kv.transfers import Refused, TransferBook
-from splitserve.kv.wire import WireError, check_proof, recv_msg, send_msg
+from splitserve.kv.wire import (
+    CONSUMER,
+    PRODUCER,
+    WireError,
+    auth_proof,
+    check_proof,
+    recv_msg,
+    send_msg,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,6 +71,10 @@ class Producer:
         self._stop = threading.Event()
         self._sock: socket.socket | None = None
         self._store = None
+        self._slots = threading.BoundedSemaphore(settings.max_connections)
+        self._count_lock = threading.Lock()
+        self.connections = 0  # being served now (for tests and harnesses)
+        self.accepted = 0  # ever accepted, turned away or not
 
     # -- lifecycle -------------------------------------------------------------------------
     def start(self, kv_caches: dict[str, torch.Tensor], spec: KVSpec) -> None:
@@ -108,8 +123,26 @@ class Producer:
                 continue
             except OSError:
                 return  # socket closed by shutdown()
+            self.accepted += 1  # only this thread writes it
+            if not self._slots.acquire(blocking=False):
+                self._turn_away(conn, addr)
+                continue
+            with self._count_lock:
+                self.connections += 1
             threading.Thread(target=self._serve, args=(conn, addr), daemon=True,
                              name=f"kv-producer-{addr[0]}:{addr[1]}").start()
+
+    def _turn_away(self, conn: socket.socket, addr) -> None:
+        n = self.settings.max_connections
+        log.warning("refusing KV connection from %s: %d connection(s) already served", addr, n)
+        try:
+            conn.settimeout(0.1)  # a few bytes into a fresh socket's buffer: never blocks long
+            send_msg(conn, {"ok": False, "error": f"KV producer {self.engine_id} is serving "
+                                                  f"its limit of {n} connection(s)"})
+        except WireError:
+            pass
+        finally:
+            conn.close()
 
     def _serve(self, conn: socket.socket, addr) -> None:
         chan: PairChannel | None = None
@@ -138,16 +171,24 @@ class Producer:
             if chan is not None:
                 chan.close()
             conn.close()
+            with self._count_lock:
+                self.connections -= 1
+            self._slots.release()
 
     def _handshake(self, conn: socket.socket) -> PairChannel | None:
+        """challenge → hello (the consumer's proof and challenge) → ok (ours) or refusal."""
         assert self._spec is not None and self._store is not None
         s = self.settings
         challenge = secrets.token_hex(16)
         send_msg(conn, {"op": "challenge", "challenge": challenge, "engine_id": self.engine_id})
         hello = recv_msg(conn)
+        theirs, pair_key = str(hello.get("challenge", "")), str(hello.get("pair_key", ""))
         error = None
-        if s.secret and not check_proof(s.secret, challenge, str(hello.get("proof", ""))):
+        if s.secret and not check_proof(s.secret, CONSUMER, challenge, theirs, pair_key,
+                                        hello.get("proof")):
             error = "authentication failed: wrong or missing shared secret"
+        elif not pair_key or len(theirs) < 32:
+            error = "malformed hello: a pair key and a challenge of 16+ bytes are required"
         elif hello.get("expect_engine_id") not in (None, self.engine_id):
             error = (f"engine id mismatch: consumer expected {hello.get('expect_engine_id')!r}, "
                      f"this producer is {self.engine_id!r}")
@@ -164,10 +205,12 @@ class Producer:
             log.warning("refusing KV consumer %s: %s", hello.get("engine_id"), error)
             send_msg(conn, {"ok": False, "error": error})
             return None
-        send_msg(conn, {"ok": True, "store_port": self._store.port})
+        port = self._store.port
+        send_msg(conn, {"ok": True, "store_port": port,
+                        "proof": auth_proof(s.secret, PRODUCER, challenge, theirs, str(port))
+                        if s.secret else ""})
         device = next(iter(self._kv.values())).device
-        return PairChannel(self._store, str(hello["pair_key"]), PRODUCER_RANK, device,
-                           s.timeout_s, s.host)
+        return PairChannel(self._store, pair_key, PRODUCER_RANK, device, s.timeout_s, s.host)
 
     def _serve_pull(self, conn: socket.socket, chan: PairChannel, msg: dict) -> None:
         tid = TransferId(str(msg.get("transfer_id")))

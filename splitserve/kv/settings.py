@@ -7,10 +7,11 @@ worker servers can build it without loading the engine.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 HOLD_MODES = ("auto", "copy", "blocks")
+KV_SECRET_ENV = "SPLITSERVE_KV_SECRET"
 
 
 @dataclass(frozen=True)
@@ -21,7 +22,13 @@ class ConnectorSettings:
     side_channel_port: int = 0  # producer: 0 = any free port (the worker reports the real one)
     lease_s: float = 30.0  # producer: held KV is freed if nobody pulls (or releases) within this
     timeout_s: float = 10.0  # every network wait of a transfer
-    secret: str | None = None  # shared secret; falls back to $SPLITSERVE_KV_SECRET
+    # Shared secret both sides of the side channel prove (mutual HMAC). Never in vLLM's config:
+    # the engine reads it from $SPLITSERVE_KV_SECRET, which its processes inherit (engine.py).
+    secret: str | None = field(default=None, repr=False)
+    # producer: side-channel connections served at once (one thread each); more are refused.
+    # Each decode engine keeps one to each producer, so this caps the decode engines per
+    # producer; the bound keeps a flood of connections from costing a thread each.
+    max_connections: int = 64
     # Tests only: honour a request's {"fault": "corrupt"} (flip received bytes, proving the KV
     # really travels). Off unless a deployment turns it on, so clients cannot use it.
     allow_fault_injection: bool = False
@@ -38,15 +45,23 @@ class ConnectorSettings:
             raise ValueError(f"hold must be one of {HOLD_MODES}, got {self.hold!r}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
+        if self.max_connections < 1:
+            raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:
         unknown = set(extra) - {f.name for f in fields(cls)}
         if unknown:
             raise ValueError(f"unknown kv_connector_extra_config keys: {sorted(unknown)}")
-        if extra.get("secret") is None and os.environ.get("SPLITSERVE_KV_SECRET"):
-            extra = {**extra, "secret": os.environ["SPLITSERVE_KV_SECRET"]}
+        if extra.get("secret") is None and os.environ.get(KV_SECRET_ENV):
+            extra = {**extra, "secret": os.environ[KV_SECRET_ENV]}
         return cls(**extra)
+
+    def to_extra(self) -> dict[str, Any]:
+        """kv_connector_extra_config for vLLM: everything but the secret (vLLM logs its
+        config; the secret reaches the engine through its environment instead)."""
+        return {f.name: getattr(self, f.name) for f in fields(self)
+                if f.name != "secret" and getattr(self, f.name) is not None}
 
     def copies_out(self, device_type: str) -> bool:
         """Whether a producer on `device_type` copies held blocks out (see `hold`)."""

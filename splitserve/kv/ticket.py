@@ -12,8 +12,10 @@ Torch-free, so the router and the worker servers can use it without loading the 
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, NewType
 
 from splitserve.v1 import common_pb2
@@ -39,6 +41,9 @@ class KVTicket:
     num_tokens: int  # prompt tokens whose KV the blocks hold
     lease_expires_at: float  # unix time; the producer frees the KV unsent after it
     spec_fingerprint: str  # KVSpec.fingerprint() of the producer's cache
+    # The router's HMAC over the fields above (vouch): proof that a router checked this ticket
+    # names the prefill worker it called. Empty until vouched.
+    voucher: str = ""
 
     def __post_init__(self) -> None:
         # A decode worker can be called directly, so a ticket is user input until proven sane.
@@ -60,6 +65,20 @@ class KVTicket:
         """Lease time left by this host's clock (a hint: the producer's clock decides)."""
         return self.lease_expires_at - (time.time() if now is None else now)
 
+    # -- vouching (docs/security.md) ----------------------------------------------------------
+    def _mac(self, key: bytes) -> str:
+        # Fields in a fixed order, one a line; repr() of the float is exact and stable.
+        text = "\n".join([self.transfer_id, self.engine_id, self.host, str(self.port),
+                          ",".join(map(str, self.block_ids)), str(self.num_tokens),
+                          repr(float(self.lease_expires_at)), self.spec_fingerprint])
+        return hmac.new(key, text.encode(), hashlib.sha256).hexdigest()
+
+    def vouch(self, key: bytes) -> KVTicket:
+        return replace(self, voucher=self._mac(key))
+
+    def vouched_by(self, key: bytes) -> bool:
+        return hmac.compare_digest(self.voucher.encode(), self._mac(key).encode())
+
     # -- gRPC edge --------------------------------------------------------------------------
     def to_proto(self) -> common_pb2.KvTicket:
         return common_pb2.KvTicket(**asdict(self))
@@ -67,7 +86,7 @@ class KVTicket:
     @classmethod
     def from_proto(cls, m: common_pb2.KvTicket) -> KVTicket:
         return cls(TransferId(m.transfer_id), m.engine_id, m.host, m.port, tuple(m.block_ids),
-                   m.num_tokens, m.lease_expires_at, m.spec_fingerprint)
+                   m.num_tokens, m.lease_expires_at, m.spec_fingerprint, m.voucher)
 
     # -- vLLM edge --------------------------------------------------------------------------
     def to_vllm(self) -> dict[str, Any]:

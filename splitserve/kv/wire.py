@@ -1,4 +1,4 @@
-"""Side-channel wire format: length-prefixed JSON messages over a TCP socket, plus peer auth.
+"""Side-channel wire format: length-prefixed JSON messages over a TCP socket, plus mutual auth.
 
 The side channel carries only small control messages (handshake, "send transfer T", replies);
 bulk KV bytes go over the pair channel. JSON keeps it debuggable with a packet capture, and a
@@ -62,10 +62,21 @@ def _recv_exact(sock: socket.socket, n: int) -> bytes:
     return b"".join(chunks)
 
 
-def auth_proof(secret: str, challenge: str) -> str:
-    """HMAC of the producer's one-time challenge: proves the secret without sending it."""
-    return hmac.new(secret.encode(), challenge.encode(), hashlib.sha256).hexdigest()
+# Both sides prove the shared secret (mutual challenge-response). Each proof names its side and
+# covers both challenges plus what that side's message commits to (the pair key the consumer
+# chose, the store port the producer offers), so a proof cannot be reflected back at its
+# sender, replayed on another connection, or kept while a man in the middle swaps the rest.
+CONSUMER, PRODUCER = "consumer", "producer"
 
 
-def check_proof(secret: str, challenge: str, proof: str) -> bool:
-    return hmac.compare_digest(auth_proof(secret, challenge), proof)
+def auth_proof(secret: str, side: str, producer_challenge: str, consumer_challenge: str,
+               bound: str) -> str:
+    """HMAC proving `secret` without sending it."""
+    text = "\n".join(["splitserve-kv/1", side, producer_challenge, consumer_challenge, bound])
+    return hmac.new(secret.encode(), text.encode(), hashlib.sha256).hexdigest()
+
+
+def check_proof(secret: str, side: str, producer_challenge: str, consumer_challenge: str,
+                bound: str, proof: object) -> bool:
+    want = auth_proof(secret, side, producer_challenge, consumer_challenge, bound)
+    return isinstance(proof, str) and hmac.compare_digest(want.encode(), proof.encode())

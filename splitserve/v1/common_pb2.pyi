@@ -87,7 +87,7 @@ class WorkerLoad(_message.Message):
     def __init__(self, queue_len: _Optional[int] = ..., running: _Optional[int] = ..., waiting: _Optional[int] = ..., free_kv_blocks: _Optional[int] = ..., total_kv_blocks: _Optional[int] = ..., held_kv_blocks: _Optional[int] = ..., held_kv_transfers: _Optional[int] = ...) -> None: ...
 
 class KvTicket(_message.Message):
-    __slots__ = ("transfer_id", "engine_id", "host", "port", "block_ids", "num_tokens", "lease_expires_at", "spec_fingerprint")
+    __slots__ = ("transfer_id", "engine_id", "host", "port", "block_ids", "num_tokens", "lease_expires_at", "spec_fingerprint", "voucher")
     TRANSFER_ID_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     HOST_FIELD_NUMBER: _ClassVar[int]
@@ -96,6 +96,7 @@ class KvTicket(_message.Message):
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     LEASE_EXPIRES_AT_FIELD_NUMBER: _ClassVar[int]
     SPEC_FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    VOUCHER_FIELD_NUMBER: _ClassVar[int]
     transfer_id: str
     engine_id: str
     host: str
@@ -104,4 +105,5 @@ class KvTicket(_message.Message):
     num_tokens: int
     lease_expires_at: float
     spec_fingerprint: str
-    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., spec_fingerprint: _Optional[str] = ...) -> None: ...
+    voucher: str
+    def __init__(self, transfer_id: _Optional[str] = ..., engine_id: _Optional[str] = ..., host: _Optional[str] = ..., port: _Optional[int] = ..., block_ids: _Optional[_Iterable[int]] = ..., num_tokens: _Optional[int] = ..., lease_expires_at: _Optional[float] = ..., spec_fingerprint: _Optional[str] = ..., voucher: _Optional[str] = ...) -> None: ...

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/registry.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"j\n\x0eWorkerCapacity\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\"\xb0\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12/\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.WorkerCapacity\x12\x11\n\tengine_id\x18\x06 \x01(\t\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"`\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"@\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05known\x18\x01 \x01(\x08*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\xfa\x01\n\x08Registry\x12K\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x1f.splitserve.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponse\x12Q\n\nDeregister\x12 .splitserve.v1.DeregisterRequest\x1a!.splitserve.v1.DeregisterResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1csplitserve/v1/registry.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"j\n\x0eWorkerCapacity\x12\x14\n\x0cmax_num_seqs\x18\x01 \x01(\x05\x12\x17\n\x0ftotal_kv_blocks\x18\x02 \x01(\x03\x12\x12\n\nblock_size\x18\x03 \x01(\x05\x12\x15\n\rmax_model_len\x18\x04 \x01(\x03\"\xc4\x01\n\x0fRegisterRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12!\n\x04role\x18\x02 \x01(\x0e\x32\x13.splitserve.v1.Role\x12\x14\n\x0cgrpc_address\x18\x03 \x01(\t\x12\r\n\x05model\x18\x04 \x01(\t\x12/\n\x08\x63\x61pacity\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.WorkerCapacity\x12\x11\n\tengine_id\x18\x06 \x01(\t\x12\x12\n\nkv_address\x18\x07 \x01(\t\"0\n\x10RegisterResponse\x12\x1c\n\x14heartbeat_interval_s\x18\x01 \x01(\x01\"`\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\'\n\x04load\x18\x02 \x01(\x0b\x32\x19.splitserve.v1.WorkerLoad\x12\x10\n\x08\x64raining\x18\x03 \x01(\x08\"@\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x12\x1c\n\x14heartbeat_interval_s\x18\x02 \x01(\x01\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"#\n\x12\x44\x65registerResponse\x12\r\n\x05known\x18\x01 \x01(\x08*S\n\x04Role\x12\x14\n\x10ROLE_UNSPECIFIED\x10\x00\x12\x10\n\x0cROLE_PREFILL\x10\x01\x12\x0f\n\x0bROLE_DECODE\x10\x02\x12\x12\n\x0eROLE_COLOCATED\x10\x03\x32\xfa\x01\n\x08Registry\x12K\n\x08Register\x12\x1e.splitserve.v1.RegisterRequest\x1a\x1f.splitserve.v1.RegisterResponse\x12N\n\tHeartbeat\x12\x1f.splitserve.v1.HeartbeatRequest\x1a .splitserve.v1.HeartbeatResponse\x12Q\n\nDeregister\x12 .splitserve.v1.DeregisterRequest\x1a!.splitserve.v1.DeregisterResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'splitserve.v1.registry_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_ROLE']._serialized_start=653
-  _globals['_ROLE']._serialized_end=736
+  _globals['_ROLE']._serialized_start=673
+  _globals['_ROLE']._serialized_end=756
   _globals['_WORKERCAPACITY']._serialized_start=75
   _globals['_WORKERCAPACITY']._serialized_end=181
   _globals['_REGISTERREQUEST']._serialized_start=184
-  _globals['_REGISTERREQUEST']._serialized_end=360
-  _globals['_REGISTERRESPONSE']._serialized_start=362
-  _globals['_REGISTERRESPONSE']._serialized_end=410
-  _globals['_HEARTBEATREQUEST']._serialized_start=412
-  _globals['_HEARTBEATREQUEST']._serialized_end=508
-  _globals['_HEARTBEATRESPONSE']._serialized_start=510
-  _globals['_HEARTBEATRESPONSE']._serialized_end=574
-  _globals['_DEREGISTERREQUEST']._serialized_start=576
-  _globals['_DEREGISTERREQUEST']._serialized_end=614
-  _globals['_DEREGISTERRESPONSE']._serialized_start=616
-  _globals['_DEREGISTERRESPONSE']._serialized_end=651
-  _globals['_REGISTRY']._serialized_start=739
-  _globals['_REGISTRY']._serialized_end=989
+  _globals['_REGISTERREQUEST']._serialized_end=380
+  _globals['_REGISTERRESPONSE']._serialized_start=382
+  _globals['_REGISTERRESPONSE']._serialized_end=430
+  _globals['_HEARTBEATREQUEST']._serialized_start=432
+  _globals['_HEARTBEATREQUEST']._serialized_end=528
+  _globals['_HEARTBEATRESPONSE']._serialized_start=530
+  _globals['_HEARTBEATRESPONSE']._serialized_end=594
+  _globals['_DEREGISTERREQUEST']._serialized_start=596
+  _globals['_DEREGISTERREQUEST']._serialized_end=634
+  _globals['_DEREGISTERRESPONSE']._serialized_start=636
+  _globals['_DEREGISTERRESPONSE']._serialized_end=671
+  _globals['_REGISTRY']._serialized_start=759
+  _globals['_REGISTRY']._serialized_end=1009
 # @@protoc_insertion_point(module_scope)

@@ -103,7 +103,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("load", "role", "model", "engine_id", "kv_transfers")
+    __slots__ = ("load", "role", "model", "engine_id", "kv_transfers", "kv_address")
     class KvTransfersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -116,9 +116,11 @@ class StatsResponse(_message.Message):
     MODEL_FIELD_NUMBER: _ClassVar[int]
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
+    KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
     load: _common_pb2.WorkerLoad
     role: _registry_pb2.Role
     model: str
     engine_id: str
     kv_transfers: _containers.ScalarMap[str, int]
-    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., role: _Optional[_Union[_registry_pb2.Role, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., kv_transfers: _Optional[_Mapping[str, int]] = ...) -> None: ...
+    kv_address: str
+    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., role: _Optional[_Union[_registry_pb2.Role, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., kv_transfers: _Optional[_Mapping[str, int]] = ..., kv_address: _Optional[str] = ...) -> None: ...

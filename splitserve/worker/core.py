@@ -8,18 +8,21 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
 import grpc
 
+from splitserve.credentials import ticket_key
 from splitserve.engine import EngineConfig
 from splitserve.engine_stats import EngineMonitor
 from splitserve.kv.board import read_board
 from splitserve.roles import Role
+from splitserve.tls import TLSConfig
 from splitserve.v1 import common_pb2, worker_pb2
-from splitserve.worker.errors import Unavailable
+from splitserve.worker.errors import PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
 
@@ -32,6 +35,10 @@ class WorkerConfig:
     port: int = 0  # gRPC port; 0 picks a free one (printed and registered)
     advertise_host: str | None = None  # what the router dials; defaults to host
     router: str | None = None  # router address to register with; None = static list only
+    # Required of every caller (the router) and sent to the router when registering; a decode
+    # worker with it pulls KV only with tickets a router vouched for (router/vouch.py).
+    cluster_token: str | None = field(default=None, repr=False)
+    tls: TLSConfig | None = None  # gRPC server (mutual with a CA), metrics, channel to the router
     worker_id: str | None = None
     model_name: str | None = None  # served name; defaults to the model directory's name
     metrics_port: int | None = 0  # Prometheus /metrics; 0 = any free port, None = off
@@ -60,6 +67,11 @@ class WorkerCore:
     phase: Phase = Phase.LOADING
     inflight: int = 0  # RPCs being served right now (prefill queue length, drain wait)
     total_kv_blocks: int = 0
+    kv_address: str = ""  # prefill: the KV side channel's host:port, once the engine is up
+
+    @functools.cached_property
+    def ticket_key(self) -> bytes | None:
+        return ticket_key(self.cfg.cluster_token)
 
     @contextlib.contextmanager
     def admit(self) -> Iterator[object]:
@@ -91,7 +103,7 @@ class WorkerCore:
     async def stats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.StatsResponse:
         return worker_pb2.StatsResponse(
             load=self.load(), role=self.cfg.role.to_proto(), model=self.served_model,
-            engine_id=self.cfg.engine.engine_id or "",
+            engine_id=self.cfg.engine.engine_id or "", kv_address=self.kv_address,
             kv_transfers={k: v for k, v in self.kv_transfers().items() if k != "held_blocks"})
 
 
@@ -102,6 +114,9 @@ async def rpc_errors(context: grpc.aio.ServicerContext, request_id: str):
         yield
     except Unavailable as e:
         await context.abort(grpc.StatusCode.UNAVAILABLE, str(e))
+    except PermissionDenied as e:
+        log.warning("request %s refused: %s", request_id, e)
+        await context.abort(grpc.StatusCode.PERMISSION_DENIED, str(e))
     except ValueError as e:
         log.info("request %s rejected: %s", request_id, e)
         await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(e))

@@ -11,6 +11,7 @@ from prometheus_client import REGISTRY, Histogram, start_http_server
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from splitserve.kv.stats import TransferSample
+from splitserve.tls import TLSConfig, warn_if_exposed
 from splitserve.worker.core import WorkerCore
 
 _TRANSFER_S = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
@@ -63,8 +64,10 @@ class _Collector:
                       t.lease_expired)
 
 
-def start_metrics(core: WorkerCore, host: str, port: int) -> int:
-    """Serve /metrics; returns the bound port (port 0 picks one)."""
+def start_metrics(core: WorkerCore, host: str, port: int, tls: TLSConfig | None = None) -> int:
+    """Serve /metrics (HTTPS with `tls`); returns the bound port (port 0 picks one). No client
+    certificate is asked for: metrics carry counts, never prompts, and scrapers rarely have one.
+    """
     labels = [core.served_model, core.cfg.role.value, core.cfg.engine.engine_id or ""]
     REGISTRY.register(_Collector(core, labels))
     seconds = Histogram("splitserve:kv_transfer_seconds", "Duration of one KV transfer",
@@ -75,5 +78,9 @@ def start_metrics(core: WorkerCore, host: str, port: int) -> int:
             seconds.observe(secs)
 
     core.monitor.on_transfers(on_transfers)
-    server, _ = start_http_server(port, addr=host)
+    if tls is None:
+        warn_if_exposed(host, "metrics")
+        server, _ = start_http_server(port, addr=host)
+    else:
+        server, _ = start_http_server(port, addr=host, certfile=tls.cert, keyfile=tls.key)
     return server.server_port

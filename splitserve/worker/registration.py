@@ -12,6 +12,8 @@ import logging
 
 import grpc
 
+from splitserve.credentials import with_token
+from splitserve.tls import aio_channel
 from splitserve.v1 import registry_pb2, registry_pb2_grpc
 from splitserve.worker.core import WorkerCore
 
@@ -23,15 +25,15 @@ async def heartbeat_loop(core: WorkerCore, router: str, worker_id: str, address:
     cfg = core.cfg
     register = registry_pb2.RegisterRequest(
         worker_id=worker_id, role=cfg.role.to_proto(), grpc_address=address,
-        model=core.served_model, engine_id=cfg.engine.engine_id or "",
+        model=core.served_model, engine_id=cfg.engine.engine_id or "", kv_address=core.kv_address,
         capacity=registry_pb2.WorkerCapacity(
             max_num_seqs=cfg.engine.max_num_seqs, total_kv_blocks=core.total_kv_blocks,
             block_size=cfg.engine.block_size, max_model_len=cfg.engine.max_model_len))
     interval = cfg.heartbeat_interval_s
     registered = False
     warned = False
-    async with grpc.aio.insecure_channel(router) as channel:
-        stub = registry_pb2_grpc.RegistryStub(channel)
+    async with aio_channel(router, cfg.tls) as channel:
+        stub = with_token(registry_pb2_grpc.RegistryStub(channel), cfg.cluster_token)
         while not stop.is_set():
             try:
                 if not registered:
@@ -47,7 +49,8 @@ async def heartbeat_loop(core: WorkerCore, router: str, worker_id: str, address:
             except grpc.aio.AioRpcError as e:
                 registered = False
                 if not warned:  # one line per outage, not one per beat
-                    log.warning("router %s unreachable (%s); retrying", router, e.code().name)
+                    log.warning("router %s refused or unreachable (%s: %s); retrying", router,
+                                e.code().name, e.details())
                     warned = True
             try:
                 await asyncio.wait_for(stop.wait(), timeout=interval)

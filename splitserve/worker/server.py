@@ -26,9 +26,11 @@ import grpc
 from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from splitserve.engine import build_engine, stop_engine
+from splitserve.credentials import Access
+from splitserve.engine import build_engine, concrete_dtype, stop_engine
 from splitserve.health import set_serving
 from splitserve.roles import Role
+from splitserve.tls import add_port
 from splitserve.worker.core import Phase, WorkerConfig, WorkerCore
 from splitserve.worker.registration import heartbeat_loop
 
@@ -44,6 +46,10 @@ async def serve(cfg: WorkerConfig, add_servicer: AddServicer,
     engine_cfg = cfg.engine
     if engine_cfg.engine_id is None:
         engine_cfg = replace(engine_cfg, engine_id=f"{cfg.role}-{uuid.uuid4().hex[:8]}")
+    dtype, why = concrete_dtype(engine_cfg.dtype, model_dir=engine_cfg.model)
+    if engine_cfg.dtype == "auto":
+        _progress(f"{cfg.role} worker {engine_cfg.engine_id}: dtype {dtype} ({why})")
+        engine_cfg = replace(engine_cfg, dtype=dtype)
     board = None
     if cfg.role is Role.PREFILL and engine_cfg.kv_settings.status_file is None:
         # Where the producer publishes what it holds (splitserve/kv/board.py); ours to remove.
@@ -61,13 +67,7 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
                  ready_file: str | None) -> None:
     engine_cfg = cfg.engine
     core = WorkerCore(cfg, served)
-    server = grpc.aio.server()
-    names = add_servicer(core, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    reflection.enable_server_reflection([*names, health.SERVICE_NAME,
-                                         reflection.SERVICE_NAME], server)
-    port = server.add_insecure_port(f"{cfg.host}:{cfg.port}")
+    server, port, names, health_servicer = build_server(cfg, core, add_servicer)
     address = f"{cfg.advertise_host or cfg.host}:{port}"
     await set_serving(health_servicer, names, False)
     await server.start()
@@ -75,8 +75,9 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
     if cfg.metrics_port is not None:
         from splitserve.worker.metrics import start_metrics
 
-        mport = start_metrics(core, cfg.host, cfg.metrics_port)
-        endpoints["metrics"] = f"http://{cfg.advertise_host or cfg.host}:{mport}/metrics"
+        mport = start_metrics(core, cfg.host, cfg.metrics_port, cfg.tls)
+        scheme = "https" if cfg.tls else "http"
+        endpoints["metrics"] = f"{scheme}://{cfg.advertise_host or cfg.host}:{mport}/metrics"
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: gRPC on {address}"
               + (f", metrics on {endpoints['metrics']}" if "metrics" in endpoints else "")
               + ", loading the engine")
@@ -99,6 +100,10 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
         return
     core.engine = engine = load.result()
     core.total_kv_blocks = int(engine.vllm_config.cache_config.num_gpu_blocks or 0)
+    if cfg.role is Role.PREFILL:  # registered, so the router can vouch for our tickets
+        from splitserve.kv.control import kv_endpoint
+
+        core.kv_address = await kv_endpoint(engine)
     core.phase = Phase.SERVING
     await set_serving(health_servicer, names, True)
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: ready in {time.monotonic() - t0:.1f} s "
@@ -124,6 +129,23 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
     await server.stop(grace=1.0)
     stop_engine(engine)
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: stopped")
+
+
+def build_server(cfg: WorkerConfig, core: WorkerCore, add_servicer: AddServicer
+                 ) -> tuple[grpc.aio.Server, int, list[str], health.aio.HealthServicer]:
+    """The worker's gRPC server, bound (not started): the role's service behind the cluster
+    credential, health and reflection open; TLS — mutual when there is a CA — when configured.
+    """
+    interceptor = Access(cluster_token=cfg.cluster_token).interceptor()
+    server = grpc.aio.server(interceptors=[interceptor] if interceptor else [])
+    names = add_servicer(core, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    reflection.enable_server_reflection([*names, health.SERVICE_NAME,
+                                         reflection.SERVICE_NAME], server)
+    port = add_port(server, f"{cfg.host}:{cfg.port}", cfg.tls,
+                    client_auth=cfg.tls is not None and cfg.tls.ca is not None)
+    return server, port, names, health_servicer
 
 
 def _progress(msg: str) -> None:

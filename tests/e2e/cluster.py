@@ -30,14 +30,17 @@ class ProcCluster(ProcessSet):
         self.by_name: dict[str, Proc] = {}
         self._channels: list[grpc.Channel] = []
 
-    def spawn(self, name: str, args: list[str], role: Role | None = None) -> Proc:
-        p = super().spawn(name, ["--log-level", "INFO", *args], role)
+    def spawn(self, name: str, args: list[str], role: Role | None = None,
+              env: dict[str, str] | None = None) -> Proc:
+        p = super().spawn(name, ["--log-level", "INFO", *args], role, env=env)
         self.by_name[name] = p
         return p
 
-    def router(self, name: str, *args: str) -> Proc:
+    def router(self, name: str, *args: str, env: dict[str, str] | None = None) -> Proc:
+        """`env`: more environment for this router (secrets: never on its command line)."""
         return self.spawn(name, ["router", "--model", self.model, "--grpc-port", "0",
-                                 "--http-port", "0", *args])
+                                 "--http-port", "0", *args],
+                          env={**self.env, **env} if env else None)
 
     def worker(self, name: str, role: Role, core: int, *args: str) -> Proc:
         return self.spawn(name, [role.value, "--model", self.model, "--dtype", "float32",

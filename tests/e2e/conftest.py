@@ -74,7 +74,7 @@ def cl(tiny_model_dir: Path):
         c.router("R", "--static-colocated", w["C"])
         c.router("O", *pd, "--max-concurrency", "1", "--max-queue", "1")
         c.router("E")
-        c.router("K", *pd, "--api-key", API_KEY)
+        c.router("K", *pd, env={"SPLITSERVE_API_KEY": API_KEY})
         c.router("S", "--static-prefill", w["P0"], "--static-decode", w["DS"])
         c.router("X", "--static-prefill", w["P0"], "--static-decode", w["C"])
         c.wait_ready()

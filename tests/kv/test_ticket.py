@@ -47,3 +47,19 @@ def test_an_empty_proto_is_not_a_ticket() -> None:
 def test_produce_params_carry_the_router_chosen_id() -> None:
     assert produced_transfer_id(produce_params(TransferId("t-9"))) == "t-9"
     assert produced_transfer_id({"do_remote_decode": True}) is None
+
+
+def test_a_voucher_covers_every_field_and_only_its_key() -> None:
+    """The router vouches for a ticket (docs/security.md); changing any field (an address to
+    dial, blocks to read) or the key breaks the voucher, and the proto carries it intact."""
+    t = KVTicket(TransferId("t1"), "P", "10.0.0.1", 5000, (1, 2), 40, 1.5e9 + 0.125, "fp")
+    key = b"k" * 32
+    v = t.vouch(key)
+    assert v.voucher and v.vouched_by(key) and not t.vouched_by(key)
+    assert not v.vouched_by(b"x" * 32)
+    assert KVTicket.from_proto(v.to_proto()).vouched_by(key)
+    assert KVTicket.from_vllm(v.to_vllm()).vouched_by(key)
+    for change in ({"transfer_id": "t2"}, {"engine_id": "Q"}, {"host": "10.0.0.2"},
+                   {"port": 5001}, {"block_ids": (1, 3)}, {"num_tokens": 41},
+                   {"lease_expires_at": 1.5e9 + 1}, {"spec_fingerprint": "other"}):
+        assert not dataclasses.replace(v, **change).vouched_by(key), change

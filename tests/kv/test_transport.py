@@ -285,3 +285,57 @@ def test_a_stalled_producer_does_not_delay_pulls_from_another(producers, consume
         assert [(r.req_id, r.ok) for r in results] == [("h1", True), ("s1", False)]
     finally:
         stalled.proc.send_signal(signal.SIGCONT)
+
+
+def test_a_producer_without_the_secret_is_refused_by_the_consumer(producers, consumers) -> None:
+    """Mutual auth: the producer proves the secret too. A peer posing as a producer — one that
+    accepts any consumer and serves blocks of its own — is refused before the consumer goes
+    near the store it names, so no bytes of its are ever scattered into our cache."""
+    impostor, c = producers(secret=None), consumers(secret="s3cret")
+    impostor.cmd(op="hold", transfer_id="t1", block_ids=[1])
+    res = pull(c, impostor, "t1", [1], [2])
+    assert not res.ok and "did not prove the shared secret" in res.error, res.error
+    assert impostor.cmd(op="finished")["status"]["held"] == 1  # nothing was pulled
+    assert not any(t.view(torch.uint8).any() for t in c.caches.values())
+    genuine = producers(secret="s3cret")
+    genuine.cmd(op="hold", transfer_id="t1", block_ids=[1])
+    assert pull(consumers(secret="s3cret"), genuine, "t1", [1], [2]).ok
+
+
+def test_a_consumer_without_the_secret_is_refused_by_the_producer(producers, consumers) -> None:
+    p = producers(secret="s3cret")
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1])
+    res = pull(consumers(secret=None), p, "t1", [1], [2])
+    assert not res.ok and "authentication failed" in res.error
+    assert p.cmd(op="finished")["status"]["held"] == 1
+
+
+def test_connections_beyond_the_bound_are_turned_away(producers, consumers) -> None:
+    """A flood of connections costs the producer at most `max_connections` threads; the rest
+    are told why and closed, and once a slot frees a real consumer pulls as usual."""
+    import socket
+
+    from splitserve.kv.wire import recv_msg
+
+    p = producers(max_connections=2)
+    held = [socket.create_connection(("127.0.0.1", p.port), timeout=5) for _ in range(2)]
+    for s in held:  # each is being served: its challenge arrived (and its hello never will)
+        assert recv_msg(s)["op"] == "challenge"
+    extra = [socket.create_connection(("127.0.0.1", p.port), timeout=5) for _ in range(5)]
+    for s in extra:
+        msg = recv_msg(s)
+        assert not msg["ok"] and "limit of 2 connection(s)" in msg["error"]
+        s.close()
+    state = p.cmd(op="connections")
+    assert state["connections"] == 2 and state["threads"] == 3  # two served + the accept loop
+    c = consumers()
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1])
+    refused = pull(c, p, "t1", [1], [2])
+    assert not refused.ok and "limit of 2" in refused.error
+    for s in held:
+        s.close()
+    deadline = time.monotonic() + 10
+    while p.cmd(op="connections")["connections"]:
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    assert pull(c, p, "t1", [1], [2]).ok

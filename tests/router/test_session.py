@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from decode_worker.session import Session
-from router.session import Broken, DecodeSession
+from router.session import Broken, DecodeSession, Inbox
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
 from splitserve.worker.errors import Unavailable
 
@@ -65,7 +65,7 @@ def req(rid: str, n: int = 5, prompt: tuple[int, ...] = (9,)) -> worker_pb2.Deco
                                     sampling=common_pb2.SamplingParams(max_tokens=n))
 
 
-async def collect(q: asyncio.Queue) -> list:
+async def collect(q: Inbox) -> list:
     """Events of one request up to its finish, error or break."""
     out = []
     while True:

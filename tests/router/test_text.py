@@ -21,9 +21,15 @@ _SETTINGS = settings(
 )
 
 
-@pytest.fixture(scope="module")
-def tok(tiny_model_dir: Path) -> RouterTokenizer:
-    return RouterTokenizer(tiny_model_dir)
+@pytest.fixture(scope="module", params=["bytes", "stream"])
+def tok(request: pytest.FixtureRequest, tiny_model_dir: Path) -> RouterTokenizer:
+    """The tiny model's tokenizer through each detokenisation path: its own byte table
+    (byte-level BPE), and tokenizers' DecodeStream (what other tokenizers get)."""
+    t = RouterTokenizer(tiny_model_dir)
+    assert t.id_bytes(skip_special_tokens=True) is not None, "the tiny tokenizer is byte-level"
+    if request.param == "stream":
+        t._id_bytes = None
+    return t
 
 
 def stream(tok: RouterTokenizer, ids: list[int], sizes: list[int], skip: bool = True) -> list[str]:
@@ -294,3 +300,16 @@ def test_long_stop_strings_cost_linear_memory_and_match_across_deltas() -> None:
     assert out == "x" and m.feed("b!") == ("", stop)
     m = StopMatcher([stop])
     assert feed_all(m, [text, "c"]) == (text + "c", None)
+
+
+def test_byte_table_only_for_byte_level_decoders(tmp_path: Path, tiny_model_dir: Path) -> None:
+    from tokenizers import Tokenizer, decoders, models
+
+    wordpiece = Tokenizer(models.WordLevel({"[UNK]": 0, "ab": 1, "##c": 2}, unk_token="[UNK]"))
+    wordpiece.decoder = decoders.WordPiece()
+    wordpiece.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "tokenizer_config.json").write_text("{}")
+    t = RouterTokenizer(tmp_path)
+    assert t.id_bytes(skip_special_tokens=True) is None  # WordPiece joins "##" pieces
+    detok = IncrementalDetokenizer(t)
+    assert detok.push([1]) + detok.push([2]) + detok.flush() == t.decode([1, 2]) == "abc"

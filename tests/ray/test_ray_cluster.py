@@ -1,0 +1,311 @@
+"""A real local Ray cluster (CPU, started here in a temp dir of its own) running a real
+deployment of the tiny model; the tests run in file order on one deployment:
+
+  1P1D: greedy output of disaggregated requests (KV moved between the Ray workers' engines)
+        equals the decode engine prefilling itself — the colocated computation;
+  scale 1P1D -> 2P2D with `splitserve ray scale` (another driver) under load: no failed request;
+  kill a decode worker actor under load: Ray restarts it, the new process registers under the
+        same worker id and serves, and every request finishes (the router migrates the dead
+        worker's requests);
+  scale 2P2D -> 1P1D with the Python API under load: no failed request;
+  down: workers idle with every KV block free first, then no actor, no process left.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as cf
+import json
+import os
+import secrets
+import socket
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from deploy.procs import _live_sessions
+from router.registry import worker_stub
+from splitserve.credentials import bearer
+from splitserve.roles import Role
+from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
+from tests.utils import make_prompts
+
+ray = pytest.importorskip("ray")
+pytestmark = pytest.mark.slow
+LENGTHS = [1, 17, 127, 128, 129, 300]
+MAX_TOKENS = 10
+TOKEN = secrets.token_hex(16)
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _request(ids: list[int], local: bool = False) -> generation_pb2.GenerateRequest:
+    return generation_pb2.GenerateRequest(
+        token_ids=generation_pb2.TokenIds(ids=ids), local_prefill=local,
+        sampling=common_pb2.SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS))
+
+
+def _tokens(stub, req) -> list[int]:
+    return [t for chunk in stub.Generate(req, timeout=120) for t in chunk.token_ids]
+
+
+class Load:
+    """Clients sending the prompts in a loop until stopped; each answer is checked against the
+    reference, each failure kept."""
+
+    def __init__(self, address: str, prompts: list[list[int]], want: list[list[int]],
+                 clients: int = 4) -> None:
+        self.channel = grpc.insecure_channel(address)
+        self.stub = generation_pb2_grpc.GenerationStub(self.channel)
+        self.prompts, self.want = prompts, want
+        self.stop = threading.Event()
+        self.ok, self.failures = 0, []
+        self.pool = cf.ThreadPoolExecutor(clients)
+        self.futures = [self.pool.submit(self._client, i) for i in range(clients)]
+
+    def _client(self, i: int) -> None:
+        n = i
+        while not self.stop.is_set():
+            k = n % len(self.prompts)
+            try:
+                got = _tokens(self.stub, _request(self.prompts[k]))
+                if got == self.want[k]:
+                    self.ok += 1
+                else:
+                    self.failures.append(f"prompt {k}: {got} != {self.want[k]}")
+            except grpc.RpcError as e:
+                self.failures.append(f"prompt {k}: {e.code().name} {e.details()}")
+            n += 1
+
+    def wait_for(self, n: int, timeout_s: float = 120) -> None:
+        deadline = time.monotonic() + timeout_s
+        start = self.ok
+        while self.ok < start + n:
+            assert time.monotonic() < deadline, f"load stalled: {self.failures[-3:]}"
+            time.sleep(0.1)
+
+    def finish(self) -> tuple[int, list[str]]:
+        self.stop.set()
+        for f in self.futures:
+            f.result(timeout=180)
+        self.pool.shutdown()
+        self.channel.close()
+        return self.ok, self.failures
+
+
+@pytest.fixture(scope="module")
+def ray_cluster(tmp_path_factory):
+    """A local Ray cluster of our own: its files in a temp dir, token auth on with a token
+    that lives only in this environment (nothing written under ~/.ray)."""
+    tmp = tmp_path_factory.mktemp("ray")
+    env = {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": secrets.token_hex(16),
+           "SPLITSERVE_CLUSTER_TOKEN": TOKEN,  # the deployment's credential: we call workers
+           "RAY_USAGE_STATS_ENABLED": "0", "TMPDIR": str(tmp)}  # TMPDIR: components' pid files
+    old = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    # Ray read its auth mode when it was imported; re-read it as ray.init itself does when it
+    # turns token auth on (ray/_private/authentication/authentication_token_setup.py).
+    from ray._raylet import Config
+
+    Config.initialize("")
+    try:
+        # Logical CPUs: one per actor; the engines pin real cores of their own.
+        ray.init(_temp_dir=str(tmp / "r"), num_cpus=8, include_dashboard=False,
+                 log_to_driver=False)
+        yield tmp
+    finally:
+        ray.shutdown()
+        for k, v in old.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        Config.initialize("")
+
+
+@pytest.fixture(scope="module")
+def dep(ray_cluster, tiny_model_dir: Path):
+    import deploy.ray as ssray
+
+    d = ssray.deploy(str(tiny_model_dir), prefill=1, decode=1, host="127.0.0.1",
+                     grpc_port=_free_port(), cluster_port=_free_port(), http_port=_free_port(),
+                     engine_args=("--dtype", "float32", "--kv-cache-mib", "64",
+                                  "--kv-timeout-s", "5"))
+    d.seen = []  # every process that was part of the deployment, checked after `down`
+    try:
+        yield d
+    finally:
+        if not getattr(d, "down", False):
+            d.shutdown()
+
+
+@pytest.fixture(scope="module")
+def reference(dep, tiny_model_dir: Path):
+    """Prompts and their greedy completions computed by the decode engine alone."""
+    prompts = make_prompts(tiny_model_dir, LENGTHS, seed=7)
+    with grpc.insecure_channel(dep.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        want = [_tokens(stub, _request(p, local=True)) for p in prompts]
+    return prompts, want
+
+
+def _router_counter(dep, name: str, label: str = "") -> float:
+    text = urllib.request.urlopen(dep.http + "/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith(name) and label in line)
+
+
+def _models(dep) -> tuple[int, int]:
+    with grpc.insecure_channel(dep.address) as ch:
+        (m,) = generation_pb2_grpc.GenerationStub(ch).ListModels(
+            generation_pb2.ListModelsRequest(), timeout=10).models
+    return m.prefill_workers, m.decode_workers
+
+
+def _remember(dep) -> dict:
+    st = dep.status()
+    for info in [st["router_info"], *st["pools"]["prefill"], *st["pools"]["decode"]]:
+        dep.seen.append((info["actor_pid"], info["pid"]))
+    return st
+
+
+def test_1p1d_greedy_equals_the_engine_alone(dep, reference) -> None:
+    prompts, want = reference
+    remote = _router_counter(dep, "splitserve:routing_decisions_total", 'prefill="remote"')
+    with grpc.insecure_channel(dep.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        with cf.ThreadPoolExecutor(len(prompts)) as pool:
+            got = list(pool.map(lambda p: _tokens(stub, _request(p)), prompts))
+    for n, g, w in zip(LENGTHS, got, want):
+        assert g == w, f"{n}-token prompt on Ray: {g} != {w}"
+    # The disaggregated path really ran: the router sent each prompt to the prefill worker.
+    assert _router_counter(dep, "splitserve:routing_decisions_total",
+                           'prefill="remote"') - remote == len(prompts)
+    st = _remember(dep)
+    assert [p["name"] for p in st["pools"]["prefill"]] == [f"{dep.name}-prefill-0"]
+    assert _models(dep) == (1, 1)
+
+
+def test_scale_up_from_another_driver_under_load(dep, reference) -> None:
+    load = Load(dep.address, *reference)
+    load.wait_for(4)
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", "ray", "scale", "--address",
+                          ray.get_runtime_context().gcs_address, "--name", dep.name,
+                          "--prefill", "2", "--decode", "2"],
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert json.loads(out.stdout.strip().splitlines()[-1]) == {"prefill": 2, "decode": 2}
+    load.wait_for(8)
+    ok, failures = load.finish()
+    assert not failures, failures
+    assert _models(dep) == (2, 2)
+    _remember(dep)
+
+
+def test_killed_worker_actor_restarts_and_registers_again(dep, reference) -> None:
+    victim = f"{dep.name}-decode-1"
+    actor = ray.get_actor(victim, namespace="splitserve")
+    before = ray.get(actor.info.remote())
+    load = Load(dep.address, *reference)
+    load.wait_for(4)
+    ray.kill(actor, no_restart=False)  # what a crash of the actor's process looks like
+    deadline = time.monotonic() + 600
+    while True:  # the same named actor, a new process, serving again
+        try:
+            after = ray.get(actor.info.remote(), timeout=10)
+            if after["pid"] != before["pid"] and _serving(after["endpoints"]["grpc"]):
+                break
+        except (ray.exceptions.RayError, grpc.RpcError, KeyError):
+            pass
+        assert time.monotonic() < deadline, "the killed actor did not come back"
+        time.sleep(1)
+    assert after["restarted"] and after["actor_pid"] != before["actor_pid"]
+    assert after["pid"] != before["pid"]
+    assert before["pid"] not in _live_sessions()  # the old process went with its actor
+    load.wait_for(8)
+    ok, failures = load.finish()
+    assert not failures, failures
+    # Registered again: the router lists two decode workers and the new one takes requests.
+    assert _models(dep) == (2, 2)
+    served = _served(after)
+    with grpc.insecure_channel(dep.address) as ch:
+        stub = generation_pb2_grpc.GenerationStub(ch)
+        for _ in range(40):
+            _tokens(stub, _request(reference[0][1]))
+            if _served(after) > served:
+                break
+    assert _served(after) > served, "the restarted worker was never sent a request"
+    _remember(dep)
+
+
+def _serving(address: str) -> bool:
+    with grpc.insecure_channel(address) as ch:
+        r = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    return r.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def _served(info: dict) -> float:
+    """Requests the worker's engine finished (vLLM's own counter on its metrics port)."""
+    text = urllib.request.urlopen(info["endpoints"]["metrics"], timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def test_scale_down_with_the_python_api_under_load(dep, reference) -> None:
+    gone = [ray.get_actor(f"{dep.name}-{r}-1", namespace="splitserve") for r in ("prefill",
+                                                                                  "decode")]
+    load = Load(dep.address, *reference)
+    load.wait_for(4)
+    st = dep.scale(prefill=1, decode=1)
+    load.wait_for(4)
+    ok, failures = load.finish()
+    assert not failures, failures
+    assert {r: len(v) for r, v in st["pools"].items()} == {"prefill": 1, "decode": 1}
+    assert _models(dep) == (1, 1)
+    for a in gone:
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(a.info.remote(), timeout=30)
+
+
+def test_down_leaves_no_actor_process_or_kv_block(dep) -> None:
+    st = _remember(dep)
+    for info in st["pools"]["prefill"] + st["pools"]["decode"]:
+        role = Role(info["role"])
+        with grpc.insecure_channel(info["endpoints"]["grpc"]) as ch:
+            deadline = time.monotonic() + 30
+            while True:
+                load = worker_stub(role, ch).Stats(worker_pb2.StatsRequest(), timeout=5,
+                                                   metadata=bearer(TOKEN)).load
+                if (load.running == load.waiting == load.queue_len == 0
+                        and load.free_kv_blocks == load.total_kv_blocks
+                        and load.held_kv_blocks == load.held_kv_transfers == 0):
+                    break
+                assert time.monotonic() < deadline, f"{info['name']} not idle: {load}"
+                time.sleep(0.2)
+    dep.shutdown()
+    dep.down = True
+    from ray.util.state import list_actors
+
+    alive = [a for a in list_actors(filters=[("state", "!=", "DEAD")])
+             if a.get("ray_namespace") == "splitserve"]
+    assert not alive, alive
+    deadline = time.monotonic() + 30
+    while True:  # Ray reaps killed actors' processes in its own time
+        pids = {p for pair in dep.seen for p in pair}
+        left = sorted(p for p in pids if Path(f"/proc/{p}").exists()
+                      and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")
+        left += sorted({pid for _, pid in dep.seen} & _live_sessions())  # engines too
+        if not left:
+            break
+        assert time.monotonic() < deadline, f"processes left behind: {left}"
+        time.sleep(0.5)
