@@ -7,7 +7,7 @@
   bench       SLO-driven load test (goodput, attainment, plots)
   plan        recommend prefill:decode worker counts from bench results
   generate-local   one in-process engine, no cluster
-  make-tiny-model  write the embedded default model
+  make-tiny-model  write the generated test model (random weights)
   ray up|scale|status|down   a deployment on a Ray cluster (deploy/ray/)
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
 config dataclasses here and nowhere else. This module is the composition layer's front (deploy/):
@@ -384,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_ray_parser(sub)
 
-    m = sub.add_parser("make-tiny-model", help="write the embedded default model to DIR")
+    m = sub.add_parser("make-tiny-model", help="write the generated test model to DIR")
     m.add_argument("dir")
     m.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
     m.add_argument("--seed", type=int, default=0)
