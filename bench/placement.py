@@ -28,7 +28,7 @@ from splitserve.models import resolve_model
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="default: the embedded tiny model")
+    ap.add_argument("--model", default="tiny", help="default: the generated tiny model")
     ap.add_argument("--rate", type=float, default=2.0)
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=40)

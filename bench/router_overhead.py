@@ -51,7 +51,7 @@ def timed(stream) -> tuple[float, float]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
+    ap.add_argument("--model", default="tiny")
     ap.add_argument("--requests", type=int, default=40)
     ap.add_argument("--max-tokens", type=int, default=64)
     ap.add_argument("--json", default=None)

@@ -135,7 +135,7 @@ def report(rows: list[Throughput]) -> None:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="the tokenizer the router loads")
+    ap.add_argument("--model", default="tiny", help="the tokenizer the router loads")
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--tokens", type=int, default=256, help="output tokens per request")

@@ -25,7 +25,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     t = p.add_argument_group("target")
     t.add_argument("--router", default="127.0.0.1:50051", help="router gRPC address")
     t.add_argument("--http-url", default=None, help="use the OpenAI HTTP API at this base URL")
-    t.add_argument("--model", default=None, help="model dir for the tokenizer (default tiny)")
+    t.add_argument("--model", default=None,
+                   help="the served model, for its tokenizer: smollm2 (default), tiny, or a dir")
     t.add_argument("--model-name", default="", help="served model name (default: the router's)")
     t.add_argument("--num-workers", type=int, default=None,
                    help="workers serving (for goodput per worker; default: ask the router)")

@@ -116,7 +116,7 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None, help="default: the embedded tiny model")
+    ap.add_argument("--model", default="tiny", help="default: the generated tiny model")
     ap.add_argument("--dtype", default="float32")
     ap.add_argument("--rates", default="1,2")
     ap.add_argument("--repeats", type=int, default=2)

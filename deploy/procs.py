@@ -106,6 +106,15 @@ class ProcessSet:
     def _tail(self, p: Proc) -> str:
         return f":\n{self.log(p.name)[-3000:]}" if self.log_dir else ""
 
+    def tails(self, chars: int = 3000) -> str:
+        """The end of each exited child's log, for an error message ("" when the children
+        write to the console: it is already there)."""
+        if self.log_dir is None:
+            return ""
+        return "".join(f"\n--- {p.name}: {self.log_dir / f'{p.name}.log'} ---\n"
+                       f"{self.log(p.name)[-chars:]}"
+                       for p in self.procs if p.popen.poll() is not None)
+
     def dead(self) -> list[str]:
         return [f"{p.name} (exit {p.popen.returncode})" for p in self.procs
                 if p.popen.poll() is not None]

@@ -15,6 +15,7 @@ import uuid
 
 import grpc
 
+from splitserve.engine import token_prompt
 from splitserve.kv.control import kv_release
 from splitserve.kv.ticket import KVTicket, TransferId, produce_params
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
@@ -49,7 +50,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                     request.sampling, max_tokens=1, min_tokens=min(request.sampling.min_tokens, 1),
                     kv_transfer_params=produce_params(tid) if wants_decode else None)
                 final = None
-                prompt = {"prompt_token_ids": list(request.prompt_token_ids)}
+                prompt = token_prompt(list(request.prompt_token_ids))
                 async for out in engine.generate(prompt, params, request_id=request.request_id):
                     final = out
                 output = final.outputs[0]

@@ -1,11 +1,12 @@
 """The public `Generation` service: validate, admit, route, stream text back.
 
-Lifecycle of a request here: validate every field (INVALID_ARGUMENT naming the field) → tokenise
-once → admission (a bounded queue in front of `max_concurrency` slots; RESOURCE_EXHAUSTED beyond
-it) → choose workers (UNAVAILABLE if a role has none alive) → run_flow's token events →
-incremental detokenisation → stop strings (the text is trimmed and the decode side aborted) →
-final chunk with finish reason, usage and timings. The client's deadline bounds every worker call
-and its cancellation cancels them.
+Lifecycle of a request here: validate every field (INVALID_ARGUMENT naming the field) → render a
+conversation with the model's chat template (router/chat.py) → tokenise once → admission (a
+bounded queue in front of `max_concurrency` slots; RESOURCE_EXHAUSTED beyond it) → choose workers
+(UNAVAILABLE if a role has none alive) → run_flow's token events → incremental detokenisation →
+stop strings (the text is trimmed and the decode side aborted) → final chunk with finish reason,
+usage and timings. The client's deadline bounds every worker call and its cancellation cancels
+them.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from router.chat import ChatTemplate
 from router.config import RouterConfig
 from router.errors import (
     DEADLINE_MARGIN_S,
@@ -77,6 +79,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.metrics = metrics
         self.registry = registry
         self.tokenizer = tokenizer
+        template = tokenizer.chat_template
+        self.chat = (ChatTemplate(template, tokenizer.bos_token, tokenizer.eos_token)
+                     if template else None)
         self.served_model = served_model
         self.model_names = frozenset({served_model, *cfg.model_aliases})
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue)
@@ -149,10 +154,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         check_model(request.model, self.model_names)
         validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
                         max_model_len=self.cfg.max_model_len)
-        if request.WhichOneof("prompt") == "token_ids":
+        kind = request.WhichOneof("prompt")
+        if kind == "token_ids":
             ids = list(request.token_ids.ids)
         else:  # a text prompt's length is known only now
-            ids = self.tokenizer.encode(request.text)
+            if kind == "messages":  # the template writes the special tokens itself
+                if self.chat is None:
+                    raise InvalidArgument("messages", f"model {self.served_model!r} has no chat "
+                                                      "template; send text or token_ids")
+                text = self.chat.render((m.role, m.content) for m in request.messages.messages)
+                ids = self.tokenizer.encode(text, add_special_tokens=False)
+            else:
+                ids = self.tokenizer.encode(request.text)
             validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
                             max_model_len=self.cfg.max_model_len, prompt_len=len(ids))
         v = validate_sampling(request.sampling, prompt_len=len(ids),

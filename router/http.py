@@ -14,14 +14,12 @@ import json
 import json.encoder
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
 import anyio._backends._asyncio  # noqa: F401  (anyio loads it lazily: on the first request's TTFT)
-import jinja2
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from router.errors import InvalidArgument, RequestFailed
@@ -45,17 +43,6 @@ class ApiError(Exception):
             "message": str(self), "type": self.kind, "param": self.param, "code": self.code}})
 
 
-def chat_template(template: str | None) -> jinja2.Template | None:
-    """The model's chat template, compiled in a sandbox: a template comes with the model (from
-    wherever it was downloaded), and unsandboxed Jinja lets one reach Python internals (and the
-    process) through attributes like `__class__`; the immutable sandbox also stops it from
-    changing the request's messages."""
-    if not template:
-        return None
-    return ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True).from_string(
-        template)
-
-
 def build_app(service: GenerationService, registry: CollectorRegistry,
               api_keys: tuple[str, ...] = ()) -> FastAPI:
     # A dependency of the /v1 routes, not an HTTP middleware: Starlette's BaseHTTPMiddleware
@@ -67,7 +54,6 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
 
     app = FastAPI(title="splitserve", docs_url=None, redoc_url=None)
     v1 = APIRouter(prefix="/v1", dependencies=[Depends(auth)])
-    chat = chat_template(service.tokenizer.chat_template)
 
     @app.exception_handler(ApiError)
     async def api_error(request: Request, e: ApiError):
@@ -100,7 +86,7 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
         if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
             prompt = prompt[0]
         if isinstance(prompt, str):
-            req = generation_pb2.GenerateRequest(text=prompt)
+            req = _unicode("prompt", lambda: generation_pb2.GenerateRequest(text=prompt))
         elif isinstance(prompt, list) and all(isinstance(t, int) and not isinstance(t, bool)
                                               and -2**63 <= t < 2**63 for t in prompt):
             req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=prompt))
@@ -114,22 +100,15 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
         check_fields(body, chat=True)
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(
-                isinstance(m, dict) and isinstance(m.get("content"), str) and m.get("role")
-                for m in messages):
+                isinstance(m, dict) and isinstance(m.get("content"), str)
+                and isinstance(m.get("role"), str) and m["role"] for m in messages):
             raise ApiError(400, "messages must be a non-empty list of {role, content}",
                            "messages")
-        if chat is None:
-            raise ApiError(400, "this model has no chat template", "messages")
-        try:
-            text = chat.render(messages=messages, add_generation_prompt=True,
-                               bos_token=service.tokenizer.bos_token or "",
-                               eos_token=service.tokenizer.eos_token or "")
-        except jinja2.TemplateError as e:  # the sandbox's SecurityError included
-            raise ApiError(500, f"the model's chat template failed: {e}",
-                           kind="server_error") from e
-        ids = service.tokenizer.encode(text, add_special_tokens=False)
-        req = generation_pb2.GenerateRequest(token_ids=generation_pb2.TokenIds(ids=ids))
-        return await _run(service, request, req, body, chat=True)
+        req = _unicode("messages", lambda: generation_pb2.GenerateRequest(
+            messages=generation_pb2.ChatMessages(messages=[
+                generation_pb2.ChatMessage(role=m["role"], content=m["content"])
+                for m in messages])))
+        return await _run(service, request, req, body, chat=True)  # rendered in prepare()
 
     app.include_router(v1)
     return app
@@ -171,6 +150,14 @@ def check_fields(body: dict[str, Any], chat: bool) -> None:
         if not _neutral(value, _NEUTRAL[key]):
             raise ApiError(400, f"{key} is not supported: only {_NEUTRAL[key][1]!r} or null is "
                                 f"accepted, got {value!r}", key)
+
+
+def _unicode(param: str, build: Callable[[], T]) -> T:
+    """JSON may carry lone surrogates ("\\ud800"), which no UTF-8 field can hold."""
+    try:
+        return build()
+    except UnicodeEncodeError as e:
+        raise ApiError(400, f"{param} is not valid Unicode: {e.reason}", param) from e
 
 
 async def _json(request: Request, max_bytes: int) -> dict[str, Any]:

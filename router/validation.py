@@ -165,12 +165,22 @@ def validate_prompt(
                                             f"got {len(req.request_id)}")
     kind = req.WhichOneof("prompt")
     if kind is None:
-        raise InvalidArgument("prompt", "a prompt must be given (text or token_ids)")
+        raise InvalidArgument("prompt", "a prompt must be given (text, token_ids or messages)")
     if kind == "text":
         if not req.text:
             raise InvalidArgument("text", "must not be empty")
         if prompt_len is not None:
             _check_len("text", prompt_len, max_model_len)
+        return
+    if kind == "messages":
+        turns = req.messages.messages
+        if not turns:
+            raise InvalidArgument("messages", "must not be empty")
+        for i, m in enumerate(turns):
+            if not m.role:
+                raise InvalidArgument("messages", f"message {i} has no role")
+        if prompt_len is not None:
+            _check_len("messages", prompt_len, max_model_len)
         return
     ids = req.token_ids.ids
     if not ids:

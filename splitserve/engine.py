@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.lifeline import ENGINE_PARENT_ENV
+from splitserve.models import stored_dtype
 
 if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -71,16 +72,24 @@ class EngineConfig:
             raise ValueError(f"kv_cache_mib must be positive, got {self.kv_cache_mib}")
 
 
-def concrete_dtype(dtype: str, cpuinfo: str | None = None) -> tuple[str, str]:
+def concrete_dtype(dtype: str, cpuinfo: str | None = None,
+                   model_dir: str | None = None) -> tuple[str, str]:
     """`dtype` made concrete for this host, with the reason to print at start-up.
 
-    "auto" on a GPU host is vLLM's own auto (the model's dtype). On CPU it is bfloat16 only where
-    the CPU computes in it natively (AVX512-BF16 or AMX): elsewhere bf16 is emulated and float32
-    is several times faster -- an AVX2 EPYC prefilled 1,024 tokens of the bench model in 6.4 s in
-    float32 and 34 s in bfloat16, where an AMX Xeon takes about a second in bf16.
+    "auto" for a checkpoint stored in float32 (its config.json says so) is float32: such a
+    checkpoint asks for full precision, and the default model is one (SmolLM2 dequantized from
+    4 bits, exact only in float32): run in bf16 by vLLM on CPU, it answered "What is the capital
+    of France?" with "L'Étoile, la Marseillaise, la femme, ...", in float32 with transformers'
+    exact answer. Otherwise "auto" on a GPU host is vLLM's own auto (the model's dtype). On CPU
+    it is bfloat16 only where the CPU computes in it natively (AVX512-BF16 or AMX): elsewhere bf16
+    is emulated and float32 is several times faster -- an AVX2 EPYC prefilled 1,024 tokens of the
+    bench model in 6.4 s in float32 and 34 s in bfloat16, where an AMX Xeon takes about a second
+    in bf16.
     """
     if dtype != "auto":
         return dtype, "as configured"
+    if model_dir is not None and stored_dtype(model_dir) == "float32":
+        return "float32", "the checkpoint is stored in float32"
     if cpuinfo is None:
         import torch
 
@@ -117,7 +126,7 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
         )
     return AsyncEngineArgs(
         model=cfg.model,
-        dtype=concrete_dtype(cfg.dtype)[0],
+        dtype=concrete_dtype(cfg.dtype, model_dir=cfg.model)[0],
         max_model_len=cfg.max_model_len,
         block_size=cfg.block_size,
         kv_cache_memory_bytes=cfg.kv_cache_mib << 20,
@@ -144,6 +153,9 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
 
     # The engine core is spawned; callers' entry points must be under `if __name__ == "__main__"`.
     os.environ.setdefault("VLLM_WORKER_MULTIPROC_METHOD", "spawn")
+    # The engine core's wait for its worker process to exit (vLLM's default 5 s; see
+    # SHUTDOWN_GRACE_S, which must stay longer).
+    os.environ.setdefault("VLLM_WORKER_SHUTDOWN_TIMEOUT_SECONDS", "15")
     # Read by the engine's worker process, which inherits our environment when it is spawned.
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
     # The engine stops if we die, even by SIGKILL (splitserve/lifeline.py, as a vLLM plugin).
@@ -156,6 +168,17 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     return AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
 
 
+# How long vLLM may take to stop an engine before it kills the engine's processes. vLLM's own
+# default is 5 s; its engine core alone waits up to 5 s for its worker process, and on a busy
+# 2-core host that worker took longer to exit, so vLLM killed them: the shared memory of their
+# message queues was never unlinked ("leaked shared_memory objects" at exit).
+SHUTDOWN_GRACE_S = 20.0
+
+
+def stop_engine(engine: AsyncLLM) -> None:
+    engine.shutdown(timeout=SHUTDOWN_GRACE_S)
+
+
 @contextmanager
 def running_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None
                    ) -> Iterator[AsyncLLM]:
@@ -164,11 +187,20 @@ def running_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None
     try:
         yield engine
     finally:
-        engine.shutdown()
+        stop_engine(engine)
         # AsyncLLM.__del__ shuts down again; left to interpreter teardown it trips over
         # half-unloaded modules. Collect it now, while everything is still importable.
         del engine
         gc.collect()
+
+
+def token_prompt(ids: list[int]):
+    """Token ids as the engine input vLLM's renderer would make of them. A plain
+    `{"prompt_token_ids": ...}` dict is a "raw prompt" to vLLM 0.32, deprecated: each engine
+    warned once on its first request."""
+    from vllm.inputs import tokens_input
+
+    return tokens_input(ids)
 
 
 def spread_cores(index: int) -> str:

@@ -1,4 +1,4 @@
-"""The embedded default model: a Llama-architecture model with random weights, generated here.
+"""The generated test model: a Llama-architecture model with random weights, made here.
 
 `write_model(dir, preset, seed)` writes a Hugging Face model directory that vLLM and transformers
 both load: config.json, generation_config.json, bf16 safetensors and a locally trained tokenizer.

@@ -1,6 +1,6 @@
 """A byte-level BPE tokenizer trained here, on text generated here.
 
-No model can be downloaded, so the embedded default model brings its own tokenizer. The training
+The generated test model needs no download, so it brings its own tokenizer. The training
 text is synthesised from a fixed word list by a seeded generator (no stdlib docs or files whose
 content varies between Python builds), so the same seed gives the same `tokenizer.json` on every
 machine. The text mixes ASCII prose, code, digits and multi-byte UTF-8 so that incremental

@@ -21,3 +21,17 @@ def test_auto_follows_native_bf16(cpuinfo: str, want: str) -> None:
 def test_an_explicit_dtype_is_kept() -> None:
     assert concrete_dtype("float16", AVX2) == ("float16", "as configured")
     assert concrete_dtype("bfloat16", AVX2)[0] == "bfloat16"
+
+
+def test_auto_is_float32_for_a_checkpoint_stored_in_float32(tmp_path) -> None:
+    """The default model (SmolLM2 dequantized from 4 bits) is stored in float32: in bf16 vLLM's
+    CPU kernels garble its answers, so even a native-bf16 host runs it in float32."""
+    import json
+
+    assert concrete_dtype("auto", AMX, str(tmp_path))[0] == "bfloat16"  # no config.json
+    (tmp_path / "config.json").write_text(json.dumps({"dtype": "bfloat16"}))
+    assert concrete_dtype("auto", AMX, str(tmp_path))[0] == "bfloat16"
+    (tmp_path / "config.json").write_text(json.dumps({"torch_dtype": "float32"}))
+    assert concrete_dtype("auto", AMX, str(tmp_path)) == (
+        "float32", "the checkpoint is stored in float32")
+    assert concrete_dtype("bfloat16", AMX, str(tmp_path))[0] == "bfloat16"  # asked for

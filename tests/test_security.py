@@ -254,19 +254,23 @@ def test_an_exposed_component_without_credentials_refuses_to_start(tiny_model_di
 
 def test_chat_templates_run_sandboxed() -> None:
     """A model's template is code from wherever the model came from: it must not reach Python
-    internals, nor change the request's messages."""
+    internals, nor change the request's messages (router/chat.py renders every template)."""
     import jinja2.sandbox
 
-    from router.http import chat_template
+    from router.chat import ChatTemplate
+    from router.errors import RequestFailed
 
-    escape = chat_template("{{ ''.__class__.__mro__[1].__subclasses__() }}")
-    with pytest.raises(jinja2.sandbox.SecurityError):
-        escape.render(messages=[])
-    mutate = chat_template("{% set _ = messages.append({'role': 'x'}) %}{{ messages|length }}")
-    messages = [{"role": "user", "content": "hi"}]
-    with pytest.raises(jinja2.sandbox.SecurityError):
-        mutate.render(messages=messages)
-    assert len(messages) == 1
-    ok = chat_template("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}")
-    assert ok.render(messages=messages) == "user: hi"
+    escape = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", None, None)
+    with pytest.raises(RequestFailed, match="chat template failed") as e:
+        escape.render([])
+    assert isinstance(e.value.__cause__, jinja2.sandbox.SecurityError)
+    assert e.value.http_status == 500  # the model's fault, not the client's
+    mutate = ChatTemplate("{% set _ = messages.append({'role': 'x'}) %}{{ messages|length }}",
+                          None, None)
+    with pytest.raises(RequestFailed) as e:
+        mutate.render([("user", "hi")])
+    assert isinstance(e.value.__cause__, jinja2.sandbox.SecurityError)
+    ok = ChatTemplate("{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}{% endfor %}",
+                      None, None)
+    assert ok.render([("user", "hi")]) == "user: hi"
 

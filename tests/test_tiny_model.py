@@ -67,7 +67,7 @@ def test_default_model_is_cached(tmp_path: Path, monkeypatch: pytest.MonkeyPatch
     mtime = (first / "model.safetensors").stat().st_mtime_ns
     assert default_model_dir("tiny") == first
     assert (first / "model.safetensors").stat().st_mtime_ns == mtime
-    assert resolve_model(None) == str(first)
+    assert resolve_model("tiny") == str(first)
     assert not list(first.parent.glob(".tmp-*"))  # no temp dirs left behind
 
 

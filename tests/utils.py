@@ -8,6 +8,7 @@ from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from splitserve.engine import token_prompt
 from splitserve.tiny_tokenizer import synth_corpus
 
 # Around and across the 128-token CPU block size, plus the extremes.
@@ -35,7 +36,7 @@ async def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> li
 
     async def one(i: int, ids: list[int]) -> list[int]:
         final = None
-        async for out in engine.generate({"prompt_token_ids": ids}, params, request_id=f"g{i}"):
+        async for out in engine.generate(token_prompt(ids), params, request_id=f"g{i}"):
             final = out
         return list(final.outputs[0].token_ids)
 
@@ -67,7 +68,7 @@ class LoopThread:
 async def collect(engine, prompt_ids: list[int], params, request_id: str):
     """Run one request to the end; return the final RequestOutput."""
     final = None
-    async for out in engine.generate({"prompt_token_ids": prompt_ids}, params,
+    async for out in engine.generate(token_prompt(prompt_ids), params,
                                      request_id=request_id):
         final = out
     return final
@@ -107,3 +108,32 @@ async def wait_idle(monitor, timeout: float = 30.0) -> None:
         if asyncio.get_running_loop().time() > deadline:
             raise AssertionError(f"engine not idle after {timeout} s: {s}")
         await asyncio.sleep(0.05)
+
+
+def chat_prompts(model_dir: Path, questions: list[str]) -> list[list[int]]:
+    """Each question as one user turn, rendered with the model's chat template by transformers
+    (the reference the router's own rendering is held to in tests/router/test_chat.py)."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    out = []
+    for q in questions:
+        ids = tok.apply_chat_template([{"role": "user", "content": q}],
+                                      add_generation_prompt=True, tokenize=True)
+        out.append(list(ids["input_ids"] if hasattr(ids, "keys") else ids))
+    return out
+
+
+def hf_greedy_ids(model, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """transformers' greedy continuation of each prompt, one at a time (no padding), up to and
+    including EOS, as vLLM reports it."""
+    import torch
+
+    outs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            x = torch.tensor([ids])
+            y = model.generate(x, max_new_tokens=max_tokens, do_sample=False,
+                               attention_mask=torch.ones_like(x))
+            outs.append(y[0, len(ids):].tolist())
+    return outs

@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from splitserve.v1 import common_pb2 as splitserve_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/v1/generation.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\"\xc2\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x17\n\x0fskip_detokenize\x18\x07 \x01(\x08\x12\x1a\n\rlocal_prefill\x18\x08 \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x16\n\x14_skip_special_tokensB\x10\n\x0e_local_prefill\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x00\x88\x01\x01\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x18\n\x0bstop_reason\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_finish_reasonB\x0e\n\x0c_stop_reason\"\xa2\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x18\n\x0bstop_reason\x18\x08 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_stop_reason\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\x05\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo2\xc8\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.CompleteResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1esplitserve/v1/generation.proto\x12\rsplitserve.v1\x1a\x1asplitserve/v1/common.proto\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x03\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"<\n\x0c\x43hatMessages\x12,\n\x08messages\x18\x01 \x03(\x0b\x32\x1a.splitserve.v1.ChatMessage\"\xf3\x02\n\x0fGenerateRequest\x12\x17\n\nrequest_id\x18\x01 \x01(\tH\x01\x88\x01\x01\x12\r\n\x05model\x18\x02 \x01(\t\x12\x0e\n\x04text\x18\x03 \x01(\tH\x00\x12,\n\ttoken_ids\x18\x04 \x01(\x0b\x32\x17.splitserve.v1.TokenIdsH\x00\x12/\n\x08messages\x18\t \x01(\x0b\x32\x1b.splitserve.v1.ChatMessagesH\x00\x12/\n\x08sampling\x18\x05 \x01(\x0b\x32\x1d.splitserve.v1.SamplingParams\x12 \n\x13skip_special_tokens\x18\x06 \x01(\x08H\x02\x88\x01\x01\x12\x17\n\x0fskip_detokenize\x18\x07 \x01(\x08\x12\x1a\n\rlocal_prefill\x18\x08 \x01(\x08H\x03\x88\x01\x01\x42\x08\n\x06promptB\r\n\x0b_request_idB\x16\n\x14_skip_special_tokensB\x10\n\x0e_local_prefill\"Y\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12&\n\x03top\x18\x03 \x03(\x0b\x32\x19.splitserve.v1.TopLogprob\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x03\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"\xb9\x02\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x03\x12\x0c\n\x04text\x18\x03 \x01(\t\x12\x37\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReasonH\x00\x88\x01\x01\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x18\n\x0bstop_reason\x18\x08 \x01(\tH\x01\x88\x01\x01\x42\x10\n\x0e_finish_reasonB\x0e\n\x0c_stop_reason\"\xa2\x02\n\x10\x43ompleteResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x11\n\ttoken_ids\x18\x03 \x03(\x03\x12\x32\n\rfinish_reason\x18\x04 \x01(\x0e\x32\x1b.splitserve.v1.FinishReason\x12#\n\x05usage\x18\x05 \x01(\x0b\x32\x14.splitserve.v1.Usage\x12\'\n\x07timings\x18\x06 \x01(\x0b\x32\x16.splitserve.v1.Timings\x12-\n\x08logprobs\x18\x07 \x03(\x0b\x32\x1b.splitserve.v1.TokenLogprob\x12\x18\n\x0bstop_reason\x18\x08 \x01(\tH\x00\x88\x01\x01\x42\x0e\n\x0c_stop_reason\"J\n\x0fTokenizeRequest\x12\r\n\x05model\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x1a\n\x12\x61\x64\x64_special_tokens\x18\x03 \x01(\x08\"<\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x03\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\"\x13\n\x11ListModelsRequest\"a\n\tModelInfo\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\x15\n\rmax_model_len\x18\x02 \x01(\x03\x12\x17\n\x0fprefill_workers\x18\x03 \x01(\x05\x12\x16\n\x0e\x64\x65\x63ode_workers\x18\x04 \x01(\x05\">\n\x12ListModelsResponse\x12(\n\x06models\x18\x01 \x03(\x0b\x32\x18.splitserve.v1.ModelInfo2\xc8\x02\n\nGeneration\x12M\n\x08Generate\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.GenerateResponse0\x01\x12K\n\x08\x43omplete\x12\x1e.splitserve.v1.GenerateRequest\x1a\x1f.splitserve.v1.CompleteResponse\x12K\n\x08Tokenize\x12\x1e.splitserve.v1.TokenizeRequest\x1a\x1f.splitserve.v1.TokenizeResponse\x12Q\n\nListModels\x12 .splitserve.v1.ListModelsRequest\x1a!.splitserve.v1.ListModelsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,26 +34,30 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TOKENIDS']._serialized_start=77
   _globals['_TOKENIDS']._serialized_end=100
-  _globals['_GENERATEREQUEST']._serialized_start=103
-  _globals['_GENERATEREQUEST']._serialized_end=425
-  _globals['_TOKENLOGPROB']._serialized_start=427
-  _globals['_TOKENLOGPROB']._serialized_end=516
-  _globals['_TOPLOGPROB']._serialized_start=518
-  _globals['_TOPLOGPROB']._serialized_end=565
-  _globals['_GENERATERESPONSE']._serialized_start=568
-  _globals['_GENERATERESPONSE']._serialized_end=881
-  _globals['_COMPLETERESPONSE']._serialized_start=884
-  _globals['_COMPLETERESPONSE']._serialized_end=1174
-  _globals['_TOKENIZEREQUEST']._serialized_start=1176
-  _globals['_TOKENIZEREQUEST']._serialized_end=1250
-  _globals['_TOKENIZERESPONSE']._serialized_start=1252
-  _globals['_TOKENIZERESPONSE']._serialized_end=1312
-  _globals['_LISTMODELSREQUEST']._serialized_start=1314
-  _globals['_LISTMODELSREQUEST']._serialized_end=1333
-  _globals['_MODELINFO']._serialized_start=1335
-  _globals['_MODELINFO']._serialized_end=1432
-  _globals['_LISTMODELSRESPONSE']._serialized_start=1434
-  _globals['_LISTMODELSRESPONSE']._serialized_end=1496
-  _globals['_GENERATION']._serialized_start=1499
-  _globals['_GENERATION']._serialized_end=1827
+  _globals['_CHATMESSAGE']._serialized_start=102
+  _globals['_CHATMESSAGE']._serialized_end=146
+  _globals['_CHATMESSAGES']._serialized_start=148
+  _globals['_CHATMESSAGES']._serialized_end=208
+  _globals['_GENERATEREQUEST']._serialized_start=211
+  _globals['_GENERATEREQUEST']._serialized_end=582
+  _globals['_TOKENLOGPROB']._serialized_start=584
+  _globals['_TOKENLOGPROB']._serialized_end=673
+  _globals['_TOPLOGPROB']._serialized_start=675
+  _globals['_TOPLOGPROB']._serialized_end=722
+  _globals['_GENERATERESPONSE']._serialized_start=725
+  _globals['_GENERATERESPONSE']._serialized_end=1038
+  _globals['_COMPLETERESPONSE']._serialized_start=1041
+  _globals['_COMPLETERESPONSE']._serialized_end=1331
+  _globals['_TOKENIZEREQUEST']._serialized_start=1333
+  _globals['_TOKENIZEREQUEST']._serialized_end=1407
+  _globals['_TOKENIZERESPONSE']._serialized_start=1409
+  _globals['_TOKENIZERESPONSE']._serialized_end=1469
+  _globals['_LISTMODELSREQUEST']._serialized_start=1471
+  _globals['_LISTMODELSREQUEST']._serialized_end=1490
+  _globals['_MODELINFO']._serialized_start=1492
+  _globals['_MODELINFO']._serialized_end=1589
+  _globals['_LISTMODELSRESPONSE']._serialized_start=1591
+  _globals['_LISTMODELSRESPONSE']._serialized_end=1653
+  _globals['_GENERATION']._serialized_start=1656
+  _globals['_GENERATION']._serialized_end=1984
 # @@protoc_insertion_point(module_scope)

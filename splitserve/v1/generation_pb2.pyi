@@ -13,12 +13,27 @@ class TokenIds(_message.Message):
     ids: _containers.RepeatedScalarFieldContainer[int]
     def __init__(self, ids: _Optional[_Iterable[int]] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
+class ChatMessages(_message.Message):
+    __slots__ = ("messages",)
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    messages: _containers.RepeatedCompositeFieldContainer[ChatMessage]
+    def __init__(self, messages: _Optional[_Iterable[_Union[ChatMessage, _Mapping]]] = ...) -> None: ...
+
 class GenerateRequest(_message.Message):
-    __slots__ = ("request_id", "model", "text", "token_ids", "sampling", "skip_special_tokens", "skip_detokenize", "local_prefill")
+    __slots__ = ("request_id", "model", "text", "token_ids", "messages", "sampling", "skip_special_tokens", "skip_detokenize", "local_prefill")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SKIP_DETOKENIZE_FIELD_NUMBER: _ClassVar[int]
@@ -27,11 +42,12 @@ class GenerateRequest(_message.Message):
     model: str
     text: str
     token_ids: TokenIds
+    messages: ChatMessages
     sampling: _common_pb2.SamplingParams
     skip_special_tokens: bool
     skip_detokenize: bool
     local_prefill: bool
-    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., skip_detokenize: _Optional[bool] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
+    def __init__(self, request_id: _Optional[str] = ..., model: _Optional[str] = ..., text: _Optional[str] = ..., token_ids: _Optional[_Union[TokenIds, _Mapping]] = ..., messages: _Optional[_Union[ChatMessages, _Mapping]] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., skip_special_tokens: _Optional[bool] = ..., skip_detokenize: _Optional[bool] = ..., local_prefill: _Optional[bool] = ...) -> None: ...
 
 class TokenLogprob(_message.Message):
     __slots__ = ("token_id", "logprob", "top")

@@ -27,7 +27,7 @@ from grpc_health.v1 import health, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from splitserve.credentials import Access
-from splitserve.engine import build_engine, concrete_dtype
+from splitserve.engine import build_engine, concrete_dtype, stop_engine
 from splitserve.health import set_serving
 from splitserve.roles import Role
 from splitserve.tls import add_port
@@ -46,7 +46,7 @@ async def serve(cfg: WorkerConfig, add_servicer: AddServicer,
     engine_cfg = cfg.engine
     if engine_cfg.engine_id is None:
         engine_cfg = replace(engine_cfg, engine_id=f"{cfg.role}-{uuid.uuid4().hex[:8]}")
-    dtype, why = concrete_dtype(engine_cfg.dtype)
+    dtype, why = concrete_dtype(engine_cfg.dtype, model_dir=engine_cfg.model)
     if engine_cfg.dtype == "auto":
         _progress(f"{cfg.role} worker {engine_cfg.engine_id}: dtype {dtype} ({why})")
         engine_cfg = replace(engine_cfg, dtype=dtype)
@@ -95,7 +95,7 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
                        return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # asked to stop while loading
         engine = await load
-        engine.shutdown()
+        stop_engine(engine)
         await server.stop(0)
         return
     core.engine = engine = load.result()
@@ -127,7 +127,7 @@ async def _serve(cfg: WorkerConfig, served: str, add_servicer: AddServicer,
     while core.inflight and time.monotonic() < deadline:
         await asyncio.sleep(0.05)
     await server.stop(grace=1.0)
-    engine.shutdown()
+    stop_engine(engine)
     _progress(f"{cfg.role} worker {engine_cfg.engine_id}: stopped")
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import re
 import time
 import urllib.request
@@ -91,9 +92,12 @@ def test_chat_equals_grpc_on_the_templated_prompt(cl: ProcCluster) -> None:
     ({"prompt": "hi", "timeout": 1e9}, 400, "timeout"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
     ({"prompt": [1, 10**30]}, 400, "prompt"),  # not an int64: was a 500
+    ({"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate: no UTF-8 field holds it
 ])
 def test_bad_requests_get_status_and_openai_error_body(cl, body, status, param) -> None:
-    r = httpx.post(cl.by_name["A"].endpoints["http"] + "/v1/completions", json=body, timeout=30)
+    # json.dumps escapes what httpx's own encoder refuses (a lone surrogate).
+    r = httpx.post(cl.by_name["A"].endpoints["http"] + "/v1/completions", timeout=30,
+                   content=json.dumps(body), headers={"content-type": "application/json"})
     assert r.status_code == status, r.text
     err = r.json()["error"]
     assert err["param"] == param and err["message"] and err["type"]
@@ -125,8 +129,10 @@ def test_invalid_json_and_chat_without_messages(cl: ProcCluster) -> None:
     r = httpx.post(base + "/v1/completions", content=b"{not json", timeout=30,
                    headers={"content-type": "application/json"})
     assert r.status_code == 400 and "JSON" in r.json()["error"]["message"]
-    r = httpx.post(base + "/v1/chat/completions", json={"messages": []}, timeout=30)
-    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+    for messages in ([], [{"role": 7, "content": "hi"}], [{"role": "user", "content": "\ud800"}]):
+        r = httpx.post(base + "/v1/chat/completions", content=json.dumps({"messages": messages}),
+                       timeout=30, headers={"content-type": "application/json"})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "messages", r.text
 
 
 def test_no_workers_is_503_and_models_and_health(cl: ProcCluster) -> None:
@@ -208,14 +214,13 @@ def _readme_blocks(lang: str) -> list[str]:
 
 def test_readme_curl_and_openai_examples_work_as_written(cl: ProcCluster) -> None:
     """The README's examples, pointed at this cluster's router instead of 127.0.0.1:8000."""
-    import json
     import subprocess
     import sys
 
     base = cl.by_name["A"].endpoints["http"]
 
     def here(code: str) -> str:
-        return code.replace("http://127.0.0.1:8000", base).replace("tiny-seed0", _name(cl))
+        return code.replace("http://127.0.0.1:8000", base).replace('"smollm2"', f'"{_name(cl)}"')
 
     (curl,) = [b for b in _readme_blocks("bash") if b.startswith("curl")]
     out = subprocess.run(["bash", "-c", here(curl)], capture_output=True, text=True, timeout=60)
