@@ -55,7 +55,10 @@ class ProcCluster(ProcessSet):
     def worker_stats(self, p: Proc) -> worker_pb2.StatsResponse:
         assert p.role is not None
         with grpc.insecure_channel(p.address) as ch:
-            return worker_stub(p.role, ch).Stats(worker_pb2.StatsRequest(), timeout=5)
+            # Generous: a worker's event loop can stall for seconds while six engines share two
+            # cores (a 5 s limit failed a cancel test in a full run). A late answer still says
+            # what the worker held when it answered, which is what the callers check.
+            return worker_stub(p.role, ch).Stats(worker_pb2.StatsRequest(), timeout=30)
 
     def held(self) -> dict[str, int]:
         """KV blocks each live prefill worker holds for decode workers right now."""
