@@ -302,12 +302,17 @@ def assumptions() -> list[str]:
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from bench import kv_memory
+
     src = p.add_mutually_exclusive_group(required=True)
     src.add_argument("--profile", nargs="+", metavar="RESULT.json",
                      help="bench result JSONs to fit the profile (and take the workload) from")
     src.add_argument("--profile-json", metavar="PROFILE.json", help="a saved profile")
-    p.add_argument("--rate", type=float, required=True, help="offered load, req/s")
-    p.add_argument("--slo", required=True, help="ttft=MS,tpot=MS[,e2el=MS]")
+    src.add_argument("--memory", metavar="MODEL", help="instead: KV memory of one worker of "
+                     "MODEL (a directory or a preset name): bytes per token, blocks, context, "
+                     "concurrent sequences (bench/kv_memory.py)")
+    p.add_argument("--rate", type=float, help="offered load, req/s (with --profile*)")
+    p.add_argument("--slo", help="ttft=MS,tpot=MS[,e2el=MS] (with --profile*)")
     p.add_argument("--input-len", type=int, help="fixed prompt tokens (default: the runs')")
     p.add_argument("--output-len", type=int, help="fixed output tokens (default: the runs')")
     p.add_argument("--target", type=float, default=0.9, help="SLO attainment to reach")
@@ -315,11 +320,20 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--num-requests", type=int, default=2000, help="simulated per config")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--save-profile", metavar="FILE", help="write the fitted profile as JSON")
+    kv_memory.add_arguments(p)
 
 
 def main(a: argparse.Namespace) -> int:
     from bench.metrics import SLO
 
+    if a.memory:
+        from bench import kv_memory
+
+        return kv_memory.run(a)
+    if a.rate is None or a.slo is None:
+        print("splitserve plan: --rate and --slo are required with --profile/--profile-json",
+              file=sys.stderr)
+        return 2
     try:
         rows = [r for r in load_rows(a.profile or []) if r.get("ok", True)]
         profile = (Profile.from_dict(json.loads(Path(a.profile_json).read_text()))

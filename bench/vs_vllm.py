@@ -25,7 +25,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import shutil
 import signal
 import statistics
@@ -36,6 +35,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from bench.host import machine
 from deploy.placement import pin_serving
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
@@ -225,14 +225,6 @@ def summarize(rows: list[dict]) -> str:
 
 def _ratio(ours: float, theirs: float) -> str:
     return f"{ours / theirs:.2f}x" if theirs else "n/a"
-
-
-def machine() -> dict:
-    cpu = next((ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo")
-                if ln.startswith("model name")), platform.processor())
-    flags = next((ln for ln in open("/proc/cpuinfo") if ln.startswith("flags")), "")
-    return {"cpu": cpu, "cores": os.cpu_count(), "avx512": "avx512f" in flags,
-            "python": platform.python_version()}
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 
+from bench.kv_memory import MIB, ModelKvShape, plan
 from tests.conftest import PackagedModelFiles
 from tests.utils import chat_prompts, engine_greedy, hf_greedy_ids
 
@@ -126,11 +127,19 @@ def test_vllm_greedy_on_the_conversion_equals_transformers_on_the_gguf(
     prompts = chat_prompts(smollm2.model_dir, QUESTIONS)
     expected = hf_greedy_ids(model, prompts, MAX_TOKENS)
 
+    cfg = EngineConfig(model=str(smollm2.model_dir), dtype="float32")
+    blocks: list[int] = []
+
     async def run() -> list[list[int]]:
-        with running_engine(EngineConfig(model=str(smollm2.model_dir), dtype="float32")) as e:
+        with running_engine(cfg) as e:
+            blocks.append(e.vllm_config.cache_config.num_gpu_blocks)
             return await engine_greedy(e, prompts, MAX_TOKENS)
 
     got = asyncio.run(run())
+    # `splitserve plan --memory` predicts the engine's own KV capacity for a real GQA model.
+    shape = ModelKvShape.from_model_dir(smollm2.model_dir)
+    assert blocks == [plan(shape, "float32", cfg.kv_cache_mib * MIB, block_size=cfg.block_size)
+                      .blocks]
     for q, want, have in zip(QUESTIONS, expected, got):
         assert have == want, f"{q!r}: vLLM {have} != transformers {want}"
     # A real model answers: the first question's answer names the city.

@@ -20,13 +20,12 @@ from pathlib import Path
 import pytest
 
 from bench.kv_producer import ProducerProc
-from splitserve.engine import EngineConfig, build_engine
-from splitserve.engine_stats import EngineMonitor
+from splitserve.engine import EngineConfig
 from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.ticket import KVTicket, produce_params
 from tests.utils import (
     GOLDEN_LENGTHS,
-    LoopThread,
+    EngineSet,
     collect,
     disagg_greedy,
     engine_greedy,
@@ -40,15 +39,12 @@ TIMEOUT_S = 5.0
 MAX_TOKENS = 16
 
 
-class Cluster:
+class Cluster(EngineSet):
     def __init__(self, model_dir: Path) -> None:
         self.model = str(model_dir)
-        self.loop = LoopThread()
-        self.monitors: dict[str, EngineMonitor] = {}
-        self.engines = {}
         base = {"model": self.model, "dtype": "float32", "kv_cache_mib": 128}
         kv = ConnectorSettings(lease_s=LEASE_S, timeout_s=TIMEOUT_S)
-        configs = {
+        super().__init__({
             "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P", kv_settings=kv),
             "PB": EngineConfig(**base, kv_role="kv_producer", engine_id="PB",
                                kv_settings=replace(kv, hold="blocks")),
@@ -57,33 +53,13 @@ class Cluster:
             "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
                                kv_failure_policy="fail", kv_settings=kv),
             "C": EngineConfig(**base),
-        }
-        for name, cfg in configs.items():
-            self.monitors[name] = EngineMonitor()
-            self.engines[name] = self.loop.run(self._build(cfg, self.monitors[name]))
-
-    @staticmethod
-    async def _build(cfg: EngineConfig, monitor: EngineMonitor):
-        return build_engine(cfg, monitor)
+        })
 
     def __getattr__(self, name: str):
-        if name in self.engines:
-            return self.engines[name]
+        engines = self.__dict__.get("engines", {})
+        if name in engines:
+            return engines[name]
         raise AttributeError(name)
-
-    def run(self, coro, timeout: float = 300.0):
-        return self.loop.run(coro, timeout)
-
-    def assert_idle(self) -> None:
-        async def all_idle() -> None:
-            await asyncio.gather(*(wait_idle(m) for m in self.monitors.values()))
-
-        self.run(all_idle())
-
-    def close(self) -> None:
-        for e in self.engines.values():
-            e.shutdown()
-        self.loop.close()
 
 
 @pytest.fixture(scope="module")

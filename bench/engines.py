@@ -1,0 +1,161 @@
+"""Drive real vLLM engines in-process: exact-length prompts, greedy generation on one engine,
+and the disaggregated pull protocol between two (prefill → ticket → decode). Shared by the
+tests (tests/utils.py) and the benchmarks that compare engine configurations directly."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from tokenizers import Tokenizer
+
+from splitserve.engine import EngineConfig, build_engine, token_prompt
+
+if TYPE_CHECKING:  # imports vllm: only where engines really run
+    from splitserve.engine_stats import EngineMonitor
+from splitserve.tiny_tokenizer import synth_corpus
+
+
+def make_prompts(model_dir: Path, lengths: list[int], seed: int = 0) -> list[list[int]]:
+    """Token-id prompts of exactly the given lengths (BOS first), from varied synthetic text."""
+    tok = Tokenizer.from_file(str(Path(model_dir) / "tokenizer.json"))
+    rng = random.Random(seed)
+    lines = synth_corpus(seed + 1000, num_lines=3000)
+    prompts = []
+    for n in lengths:
+        ids = tok.encode(" ".join(rng.sample(lines, 400))).ids  # starts with BOS
+        assert len(ids) >= n, f"not enough text for a {n}-token prompt"
+        prompts.append(ids[:n])
+    return prompts
+
+
+async def engine_greedy(engine, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+    """Greedy completions of all prompts, submitted concurrently to one AsyncLLM."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+
+    async def one(i: int, ids: list[int]) -> list[int]:
+        final = None
+        async for out in engine.generate(token_prompt(ids), params, request_id=f"g{i}"):
+            final = out
+        return list(final.outputs[0].token_ids)
+
+    return await asyncio.gather(*(one(i, p) for i, p in enumerate(prompts)))
+
+
+class LoopThread:
+    """One asyncio loop in a thread, shared by a module's tests.
+
+    An AsyncLLM binds to the loop that first drives it, so engines shared across tests must live
+    on one loop that outlives each test; tests submit coroutines with `run`.
+    """
+
+    def __init__(self) -> None:
+        import threading
+
+        self.loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
+        self._thread.start()
+
+    def run(self, coro, timeout: float = 300.0):
+        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
+
+    def close(self) -> None:
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self._thread.join(10)
+
+
+async def collect(engine, prompt_ids: list[int], params, request_id: str):
+    """Run one request to the end; return the final RequestOutput."""
+    final = None
+    async for out in engine.generate(token_prompt(prompt_ids), params,
+                                     request_id=request_id):
+        final = out
+    return final
+
+
+async def disagg_greedy(prefill, decode, ids: list[int], max_tokens: int, request_id: str,
+                        decode_params: dict | None = None, rewrite=None
+                        ) -> tuple[list[int], str | None]:
+    """Prefill on one engine, pull the KV into the other, decode there: the pull protocol.
+    `rewrite(ticket)` changes the ticket on its way; `decode_params` adds keys (fault injection)."""
+    from vllm import SamplingParams
+
+    from splitserve.kv.ticket import KVTicket, produce_params
+
+    p = SamplingParams(temperature=0.0, max_tokens=1,
+                       extra_args={"kv_transfer_params": produce_params(f"{request_id}-t")})
+    out = await collect(prefill, ids, p, f"{request_id}-p")
+    first = out.outputs[0].token_ids[0]
+    ticket = KVTicket.from_vllm(out.kv_transfer_params)
+    assert ticket.transfer_id == f"{request_id}-t"  # the caller's id names the transfer
+    if rewrite is not None:
+        ticket = rewrite(ticket)
+    kv = {**ticket.to_vllm(), **(decode_params or {})}
+    d = SamplingParams(temperature=0.0, max_tokens=max_tokens - 1,
+                       extra_args={"kv_transfer_params": kv})
+    out = await collect(decode, ids + [first], d, f"{request_id}-d")
+    return [first, *out.outputs[0].token_ids], out.outputs[0].finish_reason
+
+
+async def wait_idle(monitor, timeout: float = 30.0) -> None:
+    """Until the engine reports no running/waiting requests and no KV blocks in use."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    while True:
+        s = monitor.snapshot()
+        if s.num_running == 0 and s.num_waiting == 0 and s.kv_cache_usage == 0.0:
+            return
+        if asyncio.get_running_loop().time() > deadline:
+            raise AssertionError(f"engine not idle after {timeout} s: {s}")
+        await asyncio.sleep(0.05)
+
+
+class EngineSet:
+    """Named engines, each with its EngineMonitor, all on one LoopThread (an AsyncLLM stays on
+    the loop that first drove it). Built one after the other: loading them at once on a small
+    host only makes every one slower."""
+
+    def __init__(self, configs: dict[str, EngineConfig]) -> None:
+        from splitserve.engine_stats import EngineMonitor
+
+        self.loop = LoopThread()
+        self.monitors = {name: EngineMonitor() for name in configs}
+        self.engines: dict = {}
+        try:
+            for name, cfg in configs.items():
+                self.engines[name] = self.run(_build(cfg, self.monitors[name]))
+        except BaseException:
+            self.close()
+            raise
+
+    def __getitem__(self, name: str):
+        return self.engines[name]
+
+    def run(self, coro, timeout: float = 300.0):
+        return self.loop.run(coro, timeout)
+
+    def assert_idle(self) -> None:
+        """Every engine idle with no KV block in use: the leak check after a test."""
+        async def all_idle() -> None:
+            await asyncio.gather(*(wait_idle(m) for m in self.monitors.values()))
+
+        self.run(all_idle())
+
+    def close(self) -> None:
+        import gc
+
+        for e in self.engines.values():
+            e.shutdown()
+        # Collected now, while everything is importable: AsyncLLM.__del__ shuts down again, and
+        # left to interpreter teardown it trips over half-unloaded modules.
+        self.engines.clear()
+        gc.collect()
+        self.loop.close()
+
+
+async def _build(cfg: EngineConfig, monitor: EngineMonitor):
+    # Inside the loop: the engine's output handler binds to the loop it starts on.
+    return build_engine(cfg, monitor)
