@@ -36,13 +36,14 @@ from splitserve.kv.ticket import KVTicket, TransferId
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2}
+          "float8_e4m3fn": torch.float8_e4m3fn, "float8_e5m2": torch.float8_e5m2,
+          "uint8": torch.uint8}  # vLLM keeps fp8 caches in uint8 tensors
 # What a config may say, and its defaults: 3 layers of 16 blocks [2 heads, 32 tokens, 128] bf16.
 DEFAULTS: dict[str, Any] = {
     "num_layers": 3, "num_blocks": 16, "shape": [2, 32, 128], "dtype": "bfloat16", "model": "m",
     "block_size": 32, "seed": 7, "engine_id": "fake-p", "port": 0, "copy_out": False,
     "lease_s": 30.0, "timeout_s": 5.0, "secret": None, "stall_before_send_s": 0.0,
-    "max_connections": 64}
+    "max_connections": 64, "cache_dtype": "auto"}
 
 
 def make_caches(num_layers: int, num_blocks: int, shape: list[int], dtype: str, seed: int
@@ -67,7 +68,7 @@ def settings_of(cfg: dict[str, Any], secret: str | None) -> ConnectorSettings:
 def main(cfg: dict[str, Any]) -> None:
     cfg = {**DEFAULTS, **cfg}
     caches = caches_of(cfg)
-    spec = spec_from_caches(cfg["model"], cfg["block_size"], caches)
+    spec = spec_from_caches(cfg["model"], cfg["block_size"], caches, cfg["cache_dtype"])
     settings = settings_of(cfg, os.environ.get(KV_SECRET_ENV) or None)
     prod = Producer(cfg["engine_id"], settings, TransferStats(), cfg["copy_out"])
     prod.start(caches, spec)

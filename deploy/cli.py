@@ -41,6 +41,18 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--block-size", type=int, default=128)
     g.add_argument("--kv-cache-mib", type=int, default=256, help="KV cache size per engine")
     g.add_argument("--max-num-seqs", type=int, default=64)
+    g.add_argument("--kv-cache-dtype", default="auto",
+                   choices=["auto", "fp8", "fp8_e4m3", "fp8_e5m2"],
+                   help="KV cache dtype: auto (the model's) or fp8, which halves the cache's "
+                        "bytes against bf16 (and what a KV transfer moves); lossy. Prefill and "
+                        "decode pools must agree (the KV handshake refuses a mismatch)")
+    g.add_argument("--speculative-tokens", type=int, default=0,
+                   help="n-gram speculative decoding (prompt lookup, no draft model): tokens "
+                        "proposed per step; 0 = off. For decode and colocated workers; greedy "
+                        "output is unchanged")
+    g.add_argument("--max-num-batched-tokens", type=int, default=None,
+                   help="tokens per engine step (vLLM's chunked-prefill chunk; default: vLLM's, "
+                        "2048 on CPU)")
     g.add_argument("--cpu-cores", default="auto",
                    help="CPU only: cores for this engine, e.g. 0 or 2-3 (default: vLLM's auto)")
     g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
@@ -54,7 +66,11 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
     """The same engine flags, passed on by `up` to each worker."""
     out = ["--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--block-size",
            str(a.block_size), "--kv-cache-mib", str(a.kv_cache_mib), "--max-num-seqs",
-           str(a.max_num_seqs), "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
+           str(a.max_num_seqs), "--kv-cache-dtype", a.kv_cache_dtype,
+           "--speculative-tokens", str(a.speculative_tokens),
+           *(["--max-num-batched-tokens", str(a.max_num_batched_tokens)]
+             if a.max_num_batched_tokens else []),
+           "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
            a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s),
            "--kv-max-connections", str(a.kv_max_connections)]
     return out  # the KV secret travels in the environment (deploy/local.py), never in argv
@@ -79,6 +95,8 @@ def _worker(role: Role):
         engine = EngineConfig(
             model=resolve_model(a.model), dtype=a.dtype, max_model_len=a.max_model_len,
             block_size=a.block_size, kv_cache_mib=a.kv_cache_mib, max_num_seqs=a.max_num_seqs,
+            kv_cache_dtype=a.kv_cache_dtype, max_num_batched_tokens=a.max_num_batched_tokens,
+            speculative_tokens=a.speculative_tokens if role is not Role.PREFILL else 0,
             kv_role=role.kv_role, kv_settings=kv, kv_failure_policy=a.kv_failure_policy,
             cpu_cores=a.cpu_cores)
         cfg = WorkerConfig(role=role, engine=engine, host=a.host, port=a.port, router=a.router,
@@ -108,6 +126,7 @@ def _router(a: argparse.Namespace) -> int:
         port=a.grpc_port, cluster_port=a.cluster_port, cluster_token=token, tls=sec.tls_of(a),
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
         local_prefill_threshold=a.local_prefill_threshold, http_port=a.http_port,
+        prefix_affinity=a.prefix_affinity,
         api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
         max_migrations=a.max_migrations,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
@@ -309,6 +328,8 @@ def build_parser() -> argparse.ArgumentParser:
     sec.add_cluster_token(r)
     sec.add_tls(r)
     r.add_argument("--local-prefill-threshold", type=int, default=0)
+    r.add_argument("--no-prefix-affinity", dest="prefix_affinity", action="store_false",
+                   help="route without regard to shared prompt prefixes (router/policy.py)")
     r.add_argument("--max-migrations", type=int, default=2,
                    help="times a request whose worker failed is re-run on other workers")
     r.add_argument("--drain-timeout-s", type=float, default=30.0,

@@ -27,6 +27,9 @@ class RouterConfig:
     # Prompts shorter than this prefill on the decode worker: a KV transfer costs more than
     # recomputing a few tokens. 0 = always disaggregate when prefill workers exist.
     local_prefill_threshold: int = 0
+    # Requests sharing a first KV block go to the same prefill and decode workers, within a
+    # load bound (router/policy.py). Off: least queued prompt tokens / power of two choices.
+    prefix_affinity: bool = True
     heartbeat_interval_s: float = 1.0
     # A worker silent this long is dropped. Generous: on a small host whose cores the engines
     # keep busy, a worker's event loop can stall for seconds (3 s dropped live workers).

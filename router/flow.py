@@ -125,6 +125,7 @@ async def _prefill(request_id: str, transfer_id: str, prompt_ids: list[int],
                                     sampling=sampling, transfer_id=transfer_id)
     t0 = time.perf_counter()
     w.inflight += 1
+    w.inflight_tokens += len(prompt_ids)
     try:
         resp = await w.stub.Prefill(req, timeout=_left(deadline))
     except grpc.aio.AioRpcError as e:
@@ -137,6 +138,7 @@ async def _prefill(request_id: str, transfer_id: str, prompt_ids: list[int],
         raise _cut_off("prefill", w) from None
     finally:
         w.inflight -= 1
+        w.inflight_tokens -= len(prompt_ids)
     # The worker splits its time into engine queue and prefill compute when it can.
     timings.prefill_s = resp.timings.prefill_s or (time.perf_counter() - t0)
     timings.worker_queue_s = resp.timings.queue_s

@@ -17,7 +17,7 @@ import logging
 import random
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Collection
+from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import grpc
@@ -33,7 +33,7 @@ from router.errors import (
 )
 from router.flow import FlowTimings, TokenEvent, remaining, run_flow
 from router.metrics import RequestTrace, RouterMetrics
-from router.policy import choose_decode, choose_prefill
+from router.policy import choose_decode, choose_prefill, prefix_key
 from router.registry import Worker, WorkerRegistry
 from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
 from router.validation import check_model, validate_prompt, validate_sampling
@@ -173,16 +173,21 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                               vocab_size=self.tokenizer.vocab_size, limits=self.cfg.limits)
         return ids, v.to_proto(), v.stop
 
-    def route(self, prompt_len: int, local: bool,
-              exclude: Collection[str] = ()) -> tuple[Worker | None, Worker]:
-        """Workers for a request; `exclude`: ids of workers that already failed it."""
+    def route(self, prompt_len: int, local: bool, exclude: Collection[str] = (),
+              prompt_ids: Sequence[int] = ()) -> tuple[Worker | None, Worker]:
+        """Workers for a request; `exclude`: ids of workers that already failed it;
+        `prompt_ids`: the prompt, for prefix affinity (router/policy.py)."""
         prefill, decode, colocated = (
             [w for w in self.registry.alive(role, self.served_model) if w.worker_id not in exclude]
             for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED))
+        pool = prefill or decode or colocated
+        key = (prefix_key(prompt_ids, pool[0].capacity.block_size)
+               if pool and self.cfg.prefix_affinity else None)
         if prefill and decode and not local and prompt_len >= self.cfg.local_prefill_threshold:
-            return choose_prefill(prefill), choose_decode(decode, self.rng)
+            return (choose_prefill(prefill, prompt_len, key),
+                    choose_decode(decode, self.rng, key))
         if decode or colocated:
-            return None, choose_decode(decode + colocated, self.rng)
+            return None, choose_decode(decode + colocated, self.rng, key)
         raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
                             f"no live worker can serve {self.served_model!r}: {len(prefill)} "
                             f"prefill, {len(decode)} decode, {len(colocated)} colocated"
@@ -256,7 +261,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         failed: list[str] = []
         out: list[int] = []
         while True:
-            prefill, decode = self.route(len(ids) + len(out), local, exclude=failed)
+            prefill, decode = self.route(len(ids) + len(out), local, exclude=failed,
+                                         prompt_ids=ids)
             if not failed:
                 trace.admitted(len(ids), prefill is not None)
             flow = run_flow(rid, [*ids, *out], remaining(sp, len(out)), prefill, decode,

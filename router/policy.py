@@ -1,17 +1,66 @@
 """Which workers serve a request.
 
-Decode: power of two choices — sample two live decode workers, take the one with more free KV
-blocks net of what the router already sent it, then fewer running requests. Two random probes
-avoid the herd that "always the least loaded" causes when load reports lag behind a burst.
-Prefill: the shortest queue (router in-flight + the worker's own queue).
+Prefix affinity first: requests whose prompts share their first KV block (a system prompt, a
+few-shot preamble, a chat history) go to the same prefill worker and the same decode worker, so
+the prefill side finds the prefix in its prefix cache (not prefilled twice) and the decode side
+already holds those blocks (not transferred twice: the connector pulls only what the decode
+engine's own prefix cache lacks). The worker for a prefix is chosen by rendezvous hashing of
+the prefix's hash with each worker id: stable while workers come and go, and spread evenly over
+distinct prefixes without a shared index. Affinity is bounded by load ("consistent hashing with
+bounded loads"): a worker more than `_SLACK` above the pool's mean load is passed over for the
+next in the prefix's ranking, so one hot system prompt cannot pin a whole pool's traffic on one
+worker.
+
+Without a prefix (a prompt shorter than a block) or past the bound:
+- prefill: the least queued prompt tokens (the router's own in flight on the worker, plus the
+  worker's reported queue at the mean prompt), not the fewest requests: a 2,000-token prompt
+  costs a prefill worker twenty 100-token ones.
+- decode: power of two choices -- sample two live decode workers, take the one with more free
+  KV blocks net of what the router already sent it, then fewer running requests. Two random
+  probes avoid the herd that "always the least loaded" causes when load reports lag a burst.
 """
 
 from __future__ import annotations
 
+import hashlib
 import random
 from collections.abc import Sequence
 
 from router.registry import Worker
+
+# A worker may carry this factor of the pool's mean load (plus one request's worth) and still
+# take its prefixes' requests.
+_SLACK = 1.25
+
+
+def prefix_key(prompt_ids: Sequence[int], block_size: int) -> bytes | None:
+    """What requests sharing a cached prefix have in common: a digest of the prompt's first full
+    KV block (vLLM caches whole blocks only). None when the prompt fills no block."""
+    if block_size <= 0 or len(prompt_ids) < block_size:
+        return None
+    head = b"".join(i.to_bytes(4, "little") for i in prompt_ids[:block_size])
+    return hashlib.blake2b(head, digest_size=8).digest()
+
+
+def _weight(worker_id: str, key: bytes) -> bytes:
+    return hashlib.blake2b(key + worker_id.encode(), digest_size=8).digest()
+
+
+def home_of(key: bytes, worker_ids: Sequence[str]) -> str:
+    """The worker a prefix goes to while no worker is overloaded."""
+    return max(worker_ids, key=lambda i: _weight(i, key))
+
+
+def _rank(workers: Sequence[Worker], key: bytes) -> list[Worker]:
+    """Rendezvous order of `workers` for `key`: the first is the prefix's home."""
+    return sorted(workers, key=lambda w: _weight(w.worker_id, key), reverse=True)
+
+
+def _bounded(ranked: list[Worker], load, unit: float) -> Worker | None:
+    """The first worker in `ranked` whose load is within the bound; `unit` is this request's
+    own load, so an idle pool always takes it at home."""
+    bound = _SLACK * sum(load(w) for w in ranked) / len(ranked) + unit
+    return next((w for w in ranked if load(w) <= bound), None)
 
 
 def _decode_score(w: Worker) -> tuple[float, int]:
@@ -21,14 +70,38 @@ def _decode_score(w: Worker) -> tuple[float, int]:
     return (-free, w.load.running + w.inflight)
 
 
-def choose_decode(workers: Sequence[Worker], rng: random.Random) -> Worker:
+def _decode_load(w: Worker) -> float:
+    return w.load.running + w.inflight
+
+
+def choose_decode(workers: Sequence[Worker], rng: random.Random,
+                  key: bytes | None = None) -> Worker:
     assert workers, "caller checks for an empty pool"
     if len(workers) == 1:
         return workers[0]
+    if key is not None:
+        home = _bounded(_rank(workers, key), _decode_load, 1.0)
+        if home is not None and _decode_score(home)[0] < 0:  # it has free blocks
+            return home
     a, b = rng.sample(list(workers), 2)
     return min((a, b), key=_decode_score)
 
 
-def choose_prefill(workers: Sequence[Worker]) -> Worker:
+def _prefill_load(w: Worker, prompt_tokens: int) -> float:
+    """Prompt tokens queued on the worker: ours in flight, plus requests in its queue that are
+    not ours (other routers'), counted at this request's length."""
+    return w.inflight_tokens + max(w.load.queue_len - w.inflight, 0) * prompt_tokens
+
+
+def choose_prefill(workers: Sequence[Worker], prompt_tokens: int = 1,
+                   key: bytes | None = None) -> Worker:
     assert workers, "caller checks for an empty pool"
-    return min(workers, key=lambda w: (w.inflight + w.load.queue_len, w.load.waiting))
+
+    def load(w: Worker) -> float:
+        return _prefill_load(w, prompt_tokens)
+
+    if key is not None and len(workers) > 1:
+        home = _bounded(_rank(workers, key), load, prompt_tokens)
+        if home is not None:
+            return home
+    return min(workers, key=lambda w: (load(w), w.inflight + w.load.queue_len, w.load.waiting))

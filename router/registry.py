@@ -50,6 +50,7 @@ class Worker:
     last_seen: float
     load: common_pb2.WorkerLoad = field(default_factory=common_pb2.WorkerLoad)
     inflight: int = 0
+    inflight_tokens: int = 0  # prompt tokens of our prefills in flight on it (router/policy.py)
     static: bool = False
 
 

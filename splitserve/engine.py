@@ -46,6 +46,9 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
+    # n-gram speculative decoding (prompt lookup, no draft model): tokens proposed per step from
+    # the request's own text, verified in one forward pass; 0 = off. Greedy output is unchanged.
+    speculative_tokens: int = 0
     enforce_eager: bool = True  # no compile/graph capture: start-up in seconds, not minutes
     seed: int = 0
     # CPU only: cores for this engine's compute threads ("0", "2-3"), or "auto" (vLLM's choice).
@@ -68,6 +71,8 @@ class EngineConfig:
         if self.kv_failure_policy not in ("recompute", "fail"):
             raise ValueError(f"kv_failure_policy must be recompute or fail, "
                              f"got {self.kv_failure_policy!r}")
+        if self.speculative_tokens < 0:
+            raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
         if self.kv_cache_mib <= 0:
             raise ValueError(f"kv_cache_mib must be positive, got {self.kv_cache_mib}")
 
@@ -138,6 +143,9 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
         enforce_eager=cfg.enforce_eager,
         seed=cfg.seed,
         kv_transfer_config=kv_transfer,
+        speculative_config=({"method": "ngram", "num_speculative_tokens": cfg.speculative_tokens,
+                             "prompt_lookup_min": 2, "prompt_lookup_max": 5}
+                            if cfg.speculative_tokens else None),
         # The worker server releases held KV and reads transfer states through the engine.
         worker_extension_cls=EXTENSION if cfg.kv_role is not None else "",
         disable_log_stats=False,

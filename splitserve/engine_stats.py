@@ -26,6 +26,9 @@ class EngineSnapshot:
     steps: int = 0
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    # Speculative decoding since start: draft tokens proposed and accepted.
+    spec_draft_tokens: int = 0
+    spec_accepted_tokens: int = 0
     transfers: TransferSample = field(default_factory=TransferSample)
 
 
@@ -40,6 +43,7 @@ class EngineMonitor:
             s = self._snap
             return EngineSnapshot(s.num_running, s.num_waiting, s.kv_cache_usage, s.steps,
                                   s.prefix_cache_queries, s.prefix_cache_hits,
+                                  s.spec_draft_tokens, s.spec_accepted_tokens,
                                   s.transfers.totals())
 
     def on_transfers(self, fn) -> None:
@@ -59,6 +63,9 @@ class EngineMonitor:
             s.steps += 1
             s.prefix_cache_queries += stats.prefix_cache_stats.queries
             s.prefix_cache_hits += stats.prefix_cache_stats.hits
+            if stats.spec_decoding_stats is not None:
+                s.spec_draft_tokens += stats.spec_decoding_stats.num_draft_tokens
+                s.spec_accepted_tokens += stats.spec_decoding_stats.num_accepted_tokens
             if stats.kv_connector_stats:
                 sample = TransferSample.from_dict(stats.kv_connector_stats)
                 s.transfers.merge(sample.totals())

@@ -23,7 +23,9 @@ from deploy import security_flags as sec
 # Passed on only when given: a worker's own default is then the one in force (one place).
 _ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
                  ("--block-size", int, 128), ("--kv-cache-mib", int, 256),
-                 ("--max-num-seqs", int, 64), ("--kv-failure-policy", str, "recompute"),
+                 ("--max-num-seqs", int, 64), ("--kv-cache-dtype", str, "auto"),
+                 ("--max-num-batched-tokens", int, None), ("--speculative-tokens", int, 0),
+                 ("--kv-failure-policy", str, "recompute"),
                  ("--kv-lease-s", float, 30.0), ("--kv-timeout-s", float, 10.0))
 
 

@@ -197,7 +197,8 @@ class SplitServeConnector(KVConnectorBase_V1):
     # ====================================== worker half ======================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self._vllm_config.model_config.served_model_name
-        self.spec = spec_from_caches(str(model), self.block_size, kv_caches)
+        self.spec = spec_from_caches(str(model), self.block_size, kv_caches,
+                                     str(self._vllm_config.cache_config.cache_dtype))
         if self.is_producer:
             device = next(iter(kv_caches.values())).device
             self.producer = Producer(self.engine_id, self.settings, self.stats,

@@ -12,7 +12,8 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 
-PROTOCOL_VERSION = 1
+# 2: `cache_dtype` joined the spec (fp8 caches are uint8 tensors whatever their format).
+PROTOCOL_VERSION = 2
 
 
 @dataclass(frozen=True)
@@ -24,6 +25,9 @@ class KVSpec:
     num_layers: int
     num_kv_heads: int
     head_size: int  # last dim of the per-layer view (K and V fused in vLLM 0.32)
+    # vLLM's kv_cache_dtype ("auto", "fp8_e4m3", "fp8_e5m2"). vLLM keeps every fp8 cache in uint8
+    # tensors, so `dtype` alone cannot tell e4m3 bytes from e5m2 bytes.
+    cache_dtype: str = "auto"
     version: int = PROTOCOL_VERSION
 
     def to_dict(self) -> dict:
@@ -59,7 +63,13 @@ def physical_layout(t: torch.Tensor) -> str:
     return "L" + "".join("BHNC"[d] for d in order)
 
 
-def spec_from_caches(model: str, block_size: int, kv_caches: dict[str, torch.Tensor]) -> KVSpec:
+def canonical_cache_dtype(cache_dtype: str) -> str:
+    """vLLM's "fp8" is e4m3: one spelling per format, so equal formats compare equal."""
+    return "fp8_e4m3" if cache_dtype == "fp8" else cache_dtype
+
+
+def spec_from_caches(model: str, block_size: int, kv_caches: dict[str, torch.Tensor],
+                     cache_dtype: str = "auto") -> KVSpec:
     """Read the spec off the live per-layer tensors: [num_blocks, kv_heads, block_size, C]."""
     first = next(iter(kv_caches.values()))
     layout = physical_layout(first)
@@ -68,4 +78,4 @@ def spec_from_caches(model: str, block_size: int, kv_caches: dict[str, torch.Ten
                for t in kv_caches.values()), "layers with different KV shapes are not supported"
     return KVSpec(model=model, dtype=str(first.dtype), block_size=block_size, layout=layout,
                   num_layers=len(kv_caches), num_kv_heads=first.shape[1],
-                  head_size=first.shape[3])
+                  head_size=first.shape[3], cache_dtype=canonical_cache_dtype(cache_dtype))

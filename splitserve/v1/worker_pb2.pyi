@@ -103,7 +103,7 @@ class StatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class StatsResponse(_message.Message):
-    __slots__ = ("load", "role", "model", "engine_id", "kv_transfers", "kv_address")
+    __slots__ = ("load", "role", "model", "engine_id", "kv_transfers", "kv_address", "prefix_cache_queries", "prefix_cache_hits", "kv_cache_dtype", "kv_pulls", "kv_pulled_bytes", "spec_draft_tokens", "spec_accepted_tokens")
     class KvTransfersEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -117,10 +117,24 @@ class StatsResponse(_message.Message):
     ENGINE_ID_FIELD_NUMBER: _ClassVar[int]
     KV_TRANSFERS_FIELD_NUMBER: _ClassVar[int]
     KV_ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_QUERIES_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_CACHE_HITS_FIELD_NUMBER: _ClassVar[int]
+    KV_CACHE_DTYPE_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLS_FIELD_NUMBER: _ClassVar[int]
+    KV_PULLED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SPEC_DRAFT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SPEC_ACCEPTED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     load: _common_pb2.WorkerLoad
     role: _registry_pb2.Role
     model: str
     engine_id: str
     kv_transfers: _containers.ScalarMap[str, int]
     kv_address: str
-    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., role: _Optional[_Union[_registry_pb2.Role, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., kv_transfers: _Optional[_Mapping[str, int]] = ..., kv_address: _Optional[str] = ...) -> None: ...
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+    kv_cache_dtype: str
+    kv_pulls: int
+    kv_pulled_bytes: int
+    spec_draft_tokens: int
+    spec_accepted_tokens: int
+    def __init__(self, load: _Optional[_Union[_common_pb2.WorkerLoad, _Mapping]] = ..., role: _Optional[_Union[_registry_pb2.Role, str]] = ..., model: _Optional[str] = ..., engine_id: _Optional[str] = ..., kv_transfers: _Optional[_Mapping[str, int]] = ..., kv_address: _Optional[str] = ..., prefix_cache_queries: _Optional[int] = ..., prefix_cache_hits: _Optional[int] = ..., kv_cache_dtype: _Optional[str] = ..., kv_pulls: _Optional[int] = ..., kv_pulled_bytes: _Optional[int] = ..., spec_draft_tokens: _Optional[int] = ..., spec_accepted_tokens: _Optional[int] = ...) -> None: ...

@@ -101,10 +101,15 @@ class WorkerCore:
             held_kv_transfers=kv.get("held", 0) + kv.get("claimed", 0))
 
     async def stats(self, request: worker_pb2.StatsRequest, context) -> worker_pb2.StatsResponse:
+        s = self.monitor.snapshot()
         return worker_pb2.StatsResponse(
             load=self.load(), role=self.cfg.role.to_proto(), model=self.served_model,
             engine_id=self.cfg.engine.engine_id or "", kv_address=self.kv_address,
-            kv_transfers={k: v for k, v in self.kv_transfers().items() if k != "held_blocks"})
+            kv_transfers={k: v for k, v in self.kv_transfers().items() if k != "held_blocks"},
+            prefix_cache_queries=s.prefix_cache_queries, prefix_cache_hits=s.prefix_cache_hits,
+            kv_cache_dtype=self.cfg.engine.kv_cache_dtype, kv_pulls=s.transfers.transfers,
+            kv_pulled_bytes=s.transfers.bytes, spec_draft_tokens=s.spec_draft_tokens,
+            spec_accepted_tokens=s.spec_accepted_tokens)
 
 
 @contextlib.asynccontextmanager

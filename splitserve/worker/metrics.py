@@ -37,6 +37,12 @@ class _Collector:
 
         yield gauge("splitserve:worker_queue_len", "RPCs being served by this worker",
                     core.inflight)
+        e = core.cfg.engine
+        info = GaugeMetricFamily("splitserve:engine_config", "What this worker's engine does "
+                                 "(always 1; the labels say it)",
+                                 labels=[*LABELS, "kv_cache_dtype", "speculative_tokens"])
+        info.add_metric([*lv, e.kv_cache_dtype, str(e.speculative_tokens)], 1)
+        yield info
         yield gauge("splitserve:engine_num_requests_running", "Requests running in the engine",
                     s.num_running)
         yield gauge("splitserve:engine_num_requests_waiting", "Requests waiting in the engine",
@@ -49,6 +55,10 @@ class _Collector:
                       s.prefix_cache_queries)
         yield counter("splitserve:prefix_cache_hits", "Prefix cache hits (tokens)",
                       s.prefix_cache_hits)
+        yield counter("splitserve:spec_draft_tokens", "Speculative tokens proposed",
+                      s.spec_draft_tokens)
+        yield counter("splitserve:spec_accepted_tokens", "Speculative tokens accepted",
+                      s.spec_accepted_tokens)
         kv = core.kv_transfers()  # prefill role; {} otherwise
         yield gauge("splitserve:kv_held_transfers", "KV transfers held for a decode worker",
                     kv.get("held", 0) + kv.get("claimed", 0))

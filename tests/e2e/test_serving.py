@@ -116,3 +116,62 @@ def test_no_worker_is_unavailable(cl) -> None:
     with pytest.raises(grpc.RpcError) as e:
         _stream(cl.generation(cl.by_name["E"]), _request([1, 2, 3]), timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_every_engine_holds_the_kv_blocks_the_memory_plan_predicts(cl,
+                                                                   tiny_model_dir: Path) -> None:
+    from bench.kv_memory import MIB, ModelKvShape, plan
+
+    # The cluster's workers: float32, --kv-cache-mib 128, block size 128 (tests/e2e/cluster.py).
+    want = plan(ModelKvShape.from_model_dir(tiny_model_dir), "float32", 128 * MIB).blocks
+    got = {p.name: cl.worker_stats(p).load.total_kv_blocks for p in cl.procs if p.role}
+    assert got and set(got.values()) == {want}, f"plan says {want} blocks, engines report {got}"
+
+
+def test_shared_prefixes_are_neither_prefilled_nor_pulled_twice(cl) -> None:
+    """Groups of prompts sharing two KV blocks (256 tokens) and differing after them, sent one
+    by one through router A (P0, P1, D0, D1). Each group's prompts must go to the prefill worker
+    the policy names for the prefix, which then finds both blocks cached for every prompt after
+    the group's first; and to one decode worker, which then pulls only the partial third block.
+    Routing that ignores prefixes sends a group's prompts to workers without them: fewer hits on
+    the right prefill worker, and whole prompts pulled again."""
+    import random
+
+    from bench.kv_memory import MIB, ModelKvShape, plan
+    from router.policy import home_of, prefix_key
+
+    per_home, per_group, shared, n = 2, 4, 256, 300
+    prefill = [cl.by_name[name] for name in ("P0", "P1")]
+    decode = [cl.by_name[name] for name in ("D0", "D1")]
+    ids = {cl.worker_stats(p).engine_id: p.name for p in prefill}  # worker ids: random per run
+    # Two prefixes for each prefill worker, as the policy homes them.
+    rng, heads = random.Random(31), {p.name: [] for p in prefill}
+    while any(len(h) < per_home for h in heads.values()):
+        head = [rng.randrange(3, 1000) for _ in range(shared)]
+        home = ids[home_of(prefix_key(head, 128), list(ids))]
+        if len(heads[home]) < per_home:
+            heads[home].append(head)
+    prompts = [[head + [rng.randrange(3, 1000) for _ in range(n - shared)]
+                for _ in range(per_group)] for hs in heads.values() for head in hs]
+    groups = len(prompts)
+
+    def totals() -> dict[str, tuple[int, int]]:
+        return {p.name: (s.prefix_cache_hits, s.kv_pulled_bytes)
+                for p in prefill + decode for s in [cl.worker_stats(p)]}
+
+    before = totals()
+    stub = cl.generation(cl.by_name["A"])
+    for g in range(per_group):  # interleaved: every group's prompt k before any's k + 1
+        for group in prompts:
+            ids_out, _, last = _stream(stub, _request(group[g], max_tokens=4))
+            assert len(ids_out) == 4
+    after = totals()
+    for p in prefill:
+        hits = after[p.name][0] - before[p.name][0]
+        assert hits == per_home * (per_group - 1) * shared, (
+            f"{p.name}: {hits} prefix-cache hit tokens; its {per_home} prefixes should give "
+            f"{per_home * (per_group - 1) * shared}")
+    block = plan(ModelKvShape.from_model_dir(Path(cl.model)), "float32", 128 * MIB).block_bytes
+    pulled = sum(after[d.name][1] - before[d.name][1] for d in decode)
+    # Per group: 3 blocks the first time, then only the third (partial) block.
+    assert pulled == groups * (3 + (per_group - 1)) * block, f"{pulled / block:.1f} blocks"

@@ -48,7 +48,8 @@ def consumers():
             t.zero_()
         c = Consumer("test-d", ConnectorSettings(timeout_s=cfg["timeout_s"],
                                                  secret=cfg["secret"]), TransferStats())
-        c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], caches))
+        c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], caches,
+                                         cfg["cache_dtype"]))
         c.caches = caches
         started.append(c)
         return c
@@ -109,9 +110,13 @@ def test_staging_buffer_is_reused_across_transfers(producers, consumers) -> None
     ("block_size", 64, "block_size: ours 32, peer's 64"),
     ("dtype", "float16", "dtype: ours 'torch.bfloat16', peer's 'torch.float16'"),
     ("model", "other-model", "model: ours 'm', peer's 'other-model'"),
+    ("cache_dtype", "fp8_e5m2", "cache_dtype: ours 'fp8_e4m3', peer's 'fp8_e5m2'"),
 ])
 def test_incompatible_peer_is_refused_at_handshake(producers, consumers, field, value, needle):
-    p, c = producers(), consumers(**{field: value})
+    # fp8 caches: vLLM stores e4m3 and e5m2 alike in uint8 tensors; only cache_dtype tells them
+    # apart ("fp8" is e4m3, so the producer's spelling differs from its canonical name).
+    theirs = {"dtype": "uint8", "cache_dtype": "fp8"} if field == "cache_dtype" else {}
+    p, c = producers(**theirs), consumers(**{**theirs, field: value})
     p.cmd(op="hold", transfer_id="t1", block_ids=[1])
     res = pull(c, p, "t1", [1], [2])
     assert not res.ok and "incompatible KV cache" in res.error and needle in res.error

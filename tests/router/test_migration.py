@@ -78,8 +78,8 @@ def test_a_failed_worker_is_replaced_and_the_stream_goes_on(
     def spy_on_route(svc: GenerationService) -> None:
         real_route = svc.route
 
-        def route(prompt_len, local, exclude=()):
-            p, d = real_route(prompt_len, local, exclude)
+        def route(prompt_len, local, exclude=(), prompt_ids=()):
+            p, d = real_route(prompt_len, local, exclude, prompt_ids)
             order.append(d.worker_id)
             return p, d
 

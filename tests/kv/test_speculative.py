@@ -1,0 +1,78 @@
+"""n-gram speculative decoding in the decode pool: greedy output unchanged, drafts really used.
+
+Engines (tiny model, float32): C plain colocated, the reference; CS colocated with 4
+speculative tokens; P a producer; DS a consumer with 4 speculative tokens, so the disaggregated
+path runs speculation on KV it pulled.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import pytest
+
+from splitserve.engine import EngineConfig
+from tests.utils import GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy, make_prompts
+
+pytestmark = pytest.mark.slow
+MAX_TOKENS = 48
+SPEC = 4
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model_dir: Path):
+    base = {"model": str(tiny_model_dir), "dtype": "float32", "kv_cache_mib": 64}
+    e = EngineSet({
+        "C": EngineConfig(**base),
+        "CS": EngineConfig(**base, speculative_tokens=SPEC),
+        "P": EngineConfig(**base, kv_role="kv_producer", engine_id="SP"),
+        "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="SDS",
+                           speculative_tokens=SPEC),
+    })
+    yield e
+    e.close()
+
+
+@pytest.fixture(autouse=True)
+def no_leaks(engines: EngineSet):
+    yield
+    engines.assert_idle()
+
+
+def _prompts(model_dir: Path) -> list[list[int]]:
+    # Repetition is where prompt lookup finds drafts: a few prompts repeat their own opening.
+    varied = make_prompts(model_dir, GOLDEN_LENGTHS[::2], seed=41)
+    looped = [(p * 8)[:600] for p in make_prompts(model_dir, [40, 75], seed=42)]
+    return varied + looped
+
+
+def test_speculative_greedy_equals_plain_colocated_and_drafts_are_accepted(
+        engines: EngineSet, tiny_model_dir: Path) -> None:
+    e, mon = engines, engines.monitors
+    prompts = _prompts(tiny_model_dir)
+    want = e.run(engine_greedy(e["C"], prompts, MAX_TOKENS))
+    got = e.run(engine_greedy(e["CS"], prompts, MAX_TOKENS))
+    for p, w, g in zip(prompts, want, got):
+        assert g == w, f"{len(p)}-token prompt: speculative {g} != plain {w}"
+    s = mon["CS"].snapshot()
+    assert s.spec_draft_tokens > 0 and 0 < s.spec_accepted_tokens <= s.spec_draft_tokens
+
+
+def test_speculative_decode_worker_on_pulled_kv_equals_plain_colocated(
+        engines: EngineSet, tiny_model_dir: Path) -> None:
+    e, mon = engines, engines.monitors
+    prompts = _prompts(tiny_model_dir)
+    want = e.run(engine_greedy(e["C"], prompts, MAX_TOKENS))
+
+    async def all_disagg():
+        return await asyncio.gather(*(disagg_greedy(e["P"], e["DS"], ids, MAX_TOKENS, f"s{i}")
+                                      for i, ids in enumerate(prompts)))
+
+    before = mon["DS"].snapshot()
+    got = e.run(all_disagg())
+    for p, w, (g, _) in zip(prompts, want, got):
+        assert g == w, f"{len(p)}-token prompt: speculative disaggregated {g} != plain {w}"
+    after = mon["DS"].snapshot()
+    assert after.transfers.transfers - before.transfers.transfers == len(prompts)
+    assert after.spec_accepted_tokens > before.spec_accepted_tokens
