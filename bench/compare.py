@@ -1,7 +1,8 @@
 """Disaggregated vs colocated on the same machine, the same router code, the same workload.
 
 Starts (a) router + 1 prefill + 1 decode worker, runs the load test sweep, stops it; then (b)
-router + 2 colocated workers, same sweep. Each engine gets its own core. Writes both result
+router + 2 colocated workers, same sweep. Each engine gets its own core (round robin when
+there are more engines than cores). Writes both result
 JSONs, combined plots (attainment vs rate, latency CDFs, server-side breakdown) and a markdown
 table to --out. Every `splitserve bench` flag after `--` is passed through, e.g.
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from pathlib import Path
 
@@ -26,13 +28,15 @@ DEPLOYMENTS = {"1P+1D (disaggregated)": [Role.PREFILL, Role.DECODE],
                "2 colocated": [Role.COLOCATED, Role.COLOCATED]}
 
 
-def start(model: str, roles: list[Role], engine_args: list[str], cluster: ProcessSet) -> str:
+def start(model: str, roles: list[Role], engine_args: list[str], cluster: ProcessSet,
+          router_args: list[str] = ()) -> str:
     router = cluster.spawn("router", ["router", "--model", model, "--grpc-port", "0",
-                                      "--http-port", "0"])
+                                      "--http-port", "0", *router_args])
     cluster.wait_ready([router], 60)
     for i, role in enumerate(roles):
         cluster.spawn(f"{role}{i}", [role.value, "--model", model, "--router", router.address,
-                                     "--cpu-cores", str(i), *engine_args], role)
+                                     "--cpu-cores", str(i % (os.cpu_count() or 1)),
+                                     *engine_args], role)
     cluster.wait_ready(timeout_s=600)
     return router.address
 

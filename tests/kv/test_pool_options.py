@@ -1,8 +1,10 @@
-"""n-gram speculative decoding in the decode pool: greedy output unchanged, drafts really used.
+"""Exact engine options of the pools: greedy output unchanged, and the option really in effect.
 
+n-gram speculative decoding (decode pool) and chunked prefill at a small chunk (prefill pool).
 Engines (tiny model, float32): C plain colocated, the reference; CS colocated with 4
 speculative tokens; P a producer; DS a consumer with 4 speculative tokens, so the disaggregated
-path runs speculation on KV it pulled.
+path runs speculation on KV it pulled; CK colocated with 256-token engine steps, so every
+prompt above 256 tokens is prefilled in chunks.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from tests.utils import GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy,
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
 SPEC = 4
+CHUNK = 256
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +32,7 @@ def engines(tiny_model_dir: Path):
         "P": EngineConfig(**base, kv_role="kv_producer", engine_id="SP"),
         "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="SDS",
                            speculative_tokens=SPEC),
+        "CK": EngineConfig(**base, max_num_batched_tokens=CHUNK),
     })
     yield e
     e.close()
@@ -76,3 +80,24 @@ def test_speculative_decode_worker_on_pulled_kv_equals_plain_colocated(
     after = mon["DS"].snapshot()
     assert after.transfers.transfers - before.transfers.transfers == len(prompts)
     assert after.spec_accepted_tokens > before.spec_accepted_tokens
+
+
+def test_chunked_prefill_greedy_equals_one_shot_prefill(engines: EngineSet,
+                                                        tiny_model_dir: Path) -> None:
+    e = engines
+    prompts = make_prompts(tiny_model_dir, [255, 256, 257, 640, 1023, 2000], seed=43)
+    want = e.run(engine_greedy(e["C"], prompts, MAX_TOKENS))
+    got = e.run(engine_greedy(e["CK"], prompts, MAX_TOKENS))
+    for p, w, g in zip(prompts, want, got):
+        assert g == w, f"{len(p)}-token prompt: chunked prefill {g} != one-shot {w}"
+
+    fresh = make_prompts(tiny_model_dir, [255, 256, 257, 640, 1023, 2000], seed=44)
+
+    def prefill_steps(name: str) -> int:  # engine steps to prefill them all (one token each)
+        before = e.monitors[name].snapshot().steps
+        e.run(engine_greedy(e[name], fresh, 1))  # fresh: nothing in the prefix cache
+        return e.monitors[name].snapshot().steps - before
+
+    # 4,431 prompt tokens take at least 18 steps of 256; vLLM's default 2,048 needs far fewer.
+    minimum = -(-sum(map(len, fresh)) // CHUNK)
+    assert prefill_steps("CK") >= minimum > prefill_steps("C")
