@@ -24,6 +24,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.models import resolve_model, stored_dtype
+
 # Bytes per element of the model dtypes and of vLLM's kv_cache_dtype values.
 DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "fp8": 1, "fp8_e4m3": 1, "fp8_e5m2": 1}
 _SAFETENSORS_BYTES = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "F8_E4M3": 1, "F8_E5M2": 1,
@@ -57,13 +59,16 @@ class ModelKvShape:
             return cls(layers=int(cfg["num_hidden_layers"]),
                        kv_heads=int(cfg.get("num_key_value_heads") or heads), head_dim=head_dim,
                        max_position=int(cfg.get("max_position_embeddings") or 0),
-                       stored_dtype=cfg.get("dtype") or cfg.get("torch_dtype"),
+                       stored_dtype=stored_dtype(str(d)),
                        parameters=_count_parameters(d))
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"{d}/config.json lacks an attention shape: {e}") from None
 
     def bytes_per_token(self, element_bytes: int) -> int:
         return self.layers * self.kv_heads * self.head_dim * 2 * element_bytes
+
+    def weight_bytes(self, dtype: str) -> int | None:
+        return None if self.parameters is None else self.parameters * element_bytes(dtype)
 
 
 def _count_parameters(d: Path) -> int | None:
@@ -119,12 +124,10 @@ def plan(shape: ModelKvShape, model_dtype: str, kv_bytes: int, *, kv_dtype: str 
         longest = min(longest, shape.max_position)
     ctx = context or longest
     seqs = blocks // math.ceil(ctx / block_size) if ctx > 0 else 0
-    weights = (shape.parameters * element_bytes(model_dtype)
-               if shape.parameters is not None else None)
     return MemoryPlan(model_dtype=model_dtype, kv_dtype=kv_dtype, bytes_per_token=per_token,
                       block_size=block_size, kv_bytes=kv_bytes, blocks=blocks,
                       longest_context=longest, context=ctx, sequences_at_context=seqs,
-                      weight_bytes=weights)
+                      weight_bytes=shape.weight_bytes(model_dtype))
 
 
 def model_dtype_for(dtype: str, model_dir: str, shape: ModelKvShape,
@@ -168,13 +171,13 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(a: argparse.Namespace) -> int:
     try:
-        model_dir = _resolve(a.memory)
+        model_dir = resolve_model(a.memory)
         shape = ModelKvShape.from_model_dir(model_dir)
         gpu = a.device_memory_gib is not None
         dtype, why = model_dtype_for(a.dtype, model_dir, shape, gpu)
         if gpu and a.kv_cache_mib is not None:
             raise ValueError("give --kv-cache-mib or --device-memory-gib, not both")
-        weights = plan(shape, dtype, 0).weight_bytes
+        weights = shape.weight_bytes(dtype)
         if gpu:
             if weights is None:
                 raise ValueError("no safetensors files to size the weights from: give "
@@ -192,12 +195,6 @@ def run(a: argparse.Namespace) -> int:
         return 2
     print(_render(shape, p, why, gpu))
     return 0
-
-
-def _resolve(model: str) -> str:
-    from splitserve.models import resolve_model
-
-    return resolve_model(model)
 
 
 def _render(s: ModelKvShape, p: MemoryPlan, why: str, gpu: bool) -> str:

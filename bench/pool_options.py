@@ -82,10 +82,9 @@ def run_variant(model: str, roles: list[Role], name: str, worker_args: list[str]
         workers = _delta(pool_counters(cluster), before)
     finally:
         cluster.stop(grace_s=15)
-    requests = sum(r["completed"] for r in res["runs"]) + 3  # + bench's warm-up requests
     return {"variant": name, "worker_args": worker_args, "router_args": router_args,
             "runs": [{k: v for k, v in r.items() if k != "requests"} for r in res["runs"]],
-            "workers": workers, "requests": requests}
+            "workers": workers}
 
 
 def _pools_line(v: dict) -> str:
@@ -96,8 +95,8 @@ def _pools_line(v: dict) -> str:
     dec = w.get("decode") or w.get("colocated")
     if dec:
         if dec["kv_pulls"]:
-            parts.append(f"KV pulled {dec['kv_pulled_bytes'] / v['requests'] / 1024:.0f} KiB"
-                         f"/request")
+            parts.append(f"KV pulled {dec['kv_pulled_bytes'] / dec['kv_pulls'] / 1024:.0f} KiB"
+                         f"/transfer")
         if dec["spec_draft_tokens"]:
             parts.append(f"spec accepted {dec['spec_accepted_tokens']}/"
                          f"{dec['spec_draft_tokens']} "

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import hashlib
 import random
+from array import array
 from collections.abc import Sequence
 
 from router.registry import Worker
@@ -38,7 +39,7 @@ def prefix_key(prompt_ids: Sequence[int], block_size: int) -> bytes | None:
     KV block (vLLM caches whole blocks only). None when the prompt fills no block."""
     if block_size <= 0 or len(prompt_ids) < block_size:
         return None
-    head = b"".join(i.to_bytes(4, "little") for i in prompt_ids[:block_size])
+    head = array("I", prompt_ids[:block_size]).tobytes()  # per request: one copy, not 128
     return hashlib.blake2b(head, digest_size=8).digest()
 
 
