@@ -43,7 +43,7 @@ DEFAULTS: dict[str, Any] = {
     "num_layers": 3, "num_blocks": 16, "shape": [2, 32, 128], "dtype": "bfloat16", "model": "m",
     "block_size": 32, "seed": 7, "engine_id": "fake-p", "port": 0, "copy_out": False,
     "lease_s": 30.0, "timeout_s": 5.0, "secret": None, "stall_before_send_s": 0.0,
-    "max_connections": 64, "cache_dtype": "auto"}
+    "max_connections": 64, "cache_dtype": "auto", "transport": "auto"}
 
 
 def make_caches(num_layers: int, num_blocks: int, shape: list[int], dtype: str, seed: int
@@ -62,7 +62,8 @@ def settings_of(cfg: dict[str, Any], secret: str | None) -> ConnectorSettings:
     return ConnectorSettings(side_channel_port=cfg["port"], lease_s=cfg["lease_s"],
                              timeout_s=cfg["timeout_s"], secret=secret,
                              stall_before_send_s=cfg["stall_before_send_s"],
-                             max_connections=cfg["max_connections"])
+                             max_connections=cfg["max_connections"],
+                             transport=cfg["transport"])
 
 
 def main(cfg: dict[str, Any]) -> None:

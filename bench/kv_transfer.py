@@ -21,9 +21,13 @@ Columns:
   connector_gbps     the whole transport path: this process's Consumer pulls a PullJob from a
                      Producer in a child process (bench/kv_producer.py: gather -> side-channel
                      request -> pair channel -> scatter), timed submit -> result, a new held
-                     transfer per repeat. On top of pair_channel: two copies (gather, scatter),
-                     a side-channel round trip.
+                     transfer per repeat, with transport "pair" (what two hosts use). On top of
+                     pair_channel: two copies (gather, scatter), a side-channel round trip.
+  connector_shm_gbps the same pulls with transport "auto", which on one host takes the shared-
+                     memory path (splitserve/kv/shm.py: gather into the consumer's segment ->
+                     side-channel reply -> scatter out of it; no pair channel).
   pair_vs_tcp        pair_channel_gbps / tcp_loopback_gbps (1.0: gloo costs nothing over TCP).
+  shm_vs_pair        connector_shm_gbps / connector_gbps: what one host gains over the wire path.
 """
 
 from __future__ import annotations
@@ -68,7 +72,7 @@ BLOCK_BYTES = LAYERS * BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * BLOCK_SHAPE[2] * DTYPE.
 PRODUCER_ID = "bench-p"
 DEFAULT_REPEATS = 10
 COLUMNS = ("pair_channel_gbps", "tcp_loopback_gbps", "memcpy_gbps", "connector_gbps",
-           "pair_vs_tcp")
+           "connector_shm_gbps", "pair_vs_tcp", "shm_vs_pair")
 Measure = Callable[[int], float]  # size in bytes -> GB/s; called once per size, in order
 
 
@@ -199,8 +203,9 @@ def _caches(num_blocks: int) -> dict[str, torch.Tensor]:
 class _SignalingConsumer(Consumer):
     """Sets `done` as each job finishes, so the clock stops at the result, not at a poll."""
 
-    def __init__(self) -> None:
-        super().__init__("bench-d", ConnectorSettings(host=HOST, timeout_s=TIMEOUT_S),
+    def __init__(self, transport: str) -> None:
+        super().__init__("bench-d", ConnectorSettings(host=HOST, timeout_s=TIMEOUT_S,
+                                                      transport=transport),
                          TransferStats(), max_workers=1)
         self.done = threading.Event()
 
@@ -210,12 +215,12 @@ class _SignalingConsumer(Consumer):
 
 
 @contextmanager
-def connector(sizes: list[int], repeats: int) -> Iterator[Measure]:
+def connector(sizes: list[int], repeats: int, transport: str) -> Iterator[Measure]:
     max_blocks = max(1, round(max(sizes) / BLOCK_BYTES))
     prod = ProducerProc(num_layers=LAYERS, num_blocks=max_blocks, shape=list(BLOCK_SHAPE),
                         dtype="bfloat16", model="bench", block_size=BLOCK_SHAPE[1],
                         engine_id=PRODUCER_ID, lease_s=120.0, timeout_s=TIMEOUT_S)
-    cons = _SignalingConsumer()
+    cons = _SignalingConsumer(transport)
     try:
         caches = _caches(max_blocks)
         cons.start(caches, spec_from_caches("bench", BLOCK_SHAPE[1], caches))
@@ -237,6 +242,10 @@ def connector(sizes: list[int], repeats: int) -> Iterator[Measure]:
         def measure(n: int) -> float:
             ids = list(range(max(1, round(n / BLOCK_BYTES))))
             seconds = [pull(ids) for _ in range(repeats + 1)]  # [0]: warm-up (and handshake)
+            want_shm = transport == "auto"
+            if (cons.stats.total.shm_transfers > 0) != want_shm:
+                raise RuntimeError(f"transport {transport!r} took the wrong path: "
+                                   f"{cons.stats.total}")
             return gbps(repeats * len(ids) * BLOCK_BYTES, sum(seconds[1:]))
 
         yield measure
@@ -252,11 +261,14 @@ def run(sizes_mb: list[int], repeats: int) -> list[dict[str, float]]:
     with ExitStack() as stack:
         pair = stack.enter_context(pair_channel(sizes, repeats))
         tcp = stack.enter_context(tcp_loopback(sizes, repeats))
-        pull = stack.enter_context(connector(sizes, repeats))
+        pull = stack.enter_context(connector(sizes, repeats, "pair"))
+        pull_shm = stack.enter_context(connector(sizes, repeats, "auto"))
         for mb, n in zip(sizes_mb, sizes, strict=True):
             row = {"size_mb": mb, "pair_channel_gbps": pair(n), "tcp_loopback_gbps": tcp(n),
-                   "memcpy_gbps": memcpy(n, repeats), "connector_gbps": pull(n)}
-            rows.append({**row, "pair_vs_tcp": row["pair_channel_gbps"] / row["tcp_loopback_gbps"]})
+                   "memcpy_gbps": memcpy(n, repeats), "connector_gbps": pull(n),
+                   "connector_shm_gbps": pull_shm(n)}
+            rows.append({**row, "pair_vs_tcp": row["pair_channel_gbps"] / row["tcp_loopback_gbps"],
+                         "shm_vs_pair": row["connector_shm_gbps"] / row["connector_gbps"]})
     return rows
 
 

@@ -11,7 +11,9 @@ Lifecycle of one load here:
 Every job ends in take_results(), success or not: a parked request whose id never comes back
 would hold its blocks forever.
 
-One connection per producer address, made on first use and reused; a failed connection (and its
+One connection per producer address, made on first use and reused; a producer that shares this
+host's memory takes the connection's bytes through our shared-memory segment instead of a pair
+channel (shm.py, chosen in the handshake); a failed connection (and its
 pair channel) is dropped and the next job to that producer handshakes afresh. Each connection has
 its own lock, taken for the connect as well as for each transfer: jobs to one producer run in
 order, and a slow or dead producer (a connect or handshake waiting out its timeout) never delays
@@ -35,6 +37,7 @@ import torch
 from splitserve.kv import blocks
 from splitserve.kv.pair_channel import CONSUMER_RANK, PairChannel, TransferError, connect_store
 from splitserve.kv.settings import ConnectorSettings
+from splitserve.kv.shm import ConsumerStaging
 from splitserve.kv.spec import KVSpec
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket
@@ -74,13 +77,22 @@ class LoadResult:
 
 
 class _Conn:
-    """A handshaken side-channel socket and its pair channel."""
+    """A handshaken side-channel socket and where its bytes travel: a pair channel, or (same
+    host) our shared-memory segment."""
 
-    def __init__(self, sock: socket.socket, chan: PairChannel) -> None:
-        self.sock, self.chan = sock, chan
+    def __init__(self, sock: socket.socket, chan: PairChannel | None,
+                 shm: ConsumerStaging | None) -> None:
+        self.sock, self.chan, self.shm = sock, chan, shm
+
+    @property
+    def broken(self) -> bool:
+        return self.chan is not None and self.chan.closed
 
     def close(self) -> None:
-        self.chan.close()
+        if self.chan is not None:
+            self.chan.close()
+        if self.shm is not None:
+            self.shm.close()
         self.sock.close()
 
 
@@ -142,21 +154,22 @@ class Consumer:
         t0 = time.perf_counter()
         tk = job.ticket
         try:
-            nbytes = self._pull(job)
+            nbytes, shm = self._pull(job)
         except Exception as e:  # any failure must still come back as a result
             self.stats.record_failure()
             log.warning("KV load for %s (transfer %s from %s:%d) failed: %s", job.req_id,
                         tk.transfer_id, tk.host, tk.port, e)
             self._finish(LoadResult(job.req_id, False, job.local_block_ids, str(e)))
         else:
-            self.stats.record_transfer(nbytes, time.perf_counter() - t0)
+            self.stats.record_transfer(nbytes, time.perf_counter() - t0, shm)
             self._finish(LoadResult(job.req_id, True, job.local_block_ids))
 
     def _finish(self, result: LoadResult) -> None:
         with self._results_lock:
             self._results.append(result)
 
-    def _pull(self, job: PullJob) -> int:
+    def _pull(self, job: PullJob) -> tuple[int, bool]:
+        """The bytes moved, and whether through shared memory."""
         assert len(job.local_block_ids) == len(job.remote_block_ids)
         assert self._spec is not None
         tk = job.ticket
@@ -168,30 +181,39 @@ class Consumer:
                 # issued by another incarnation at this address. Its block ids mean nothing here.
                 raise IncompatiblePeer(f"ticket {tk.transfer_id} names a KV cache with spec "
                                        f"{tk.spec_fingerprint}, ours is {self._spec.fingerprint()}")
+            n = len(job.local_block_ids)
+            want = blocks.staging_bytes(self._kv, n)
             try:
                 tag = next(self._tags)
-                send_msg(conn.sock, {"op": "pull", "transfer_id": tk.transfer_id,
-                                     "block_ids": job.remote_block_ids, "tag": tag})
+                msg = {"op": "pull", "transfer_id": tk.transfer_id,
+                       "block_ids": job.remote_block_ids, "tag": tag}
+                if conn.shm is not None:
+                    msg["shm"] = conn.shm.buffer(want).name  # the producer writes the bytes here
+                send_msg(conn.sock, msg)
                 reply = recv_msg(conn.sock)
                 if not reply.get("ok"):
                     # The producer refused this transfer; the connection itself is fine.
                     raise TransferError(f"producer refused: {reply.get('error')}")
-                n = len(job.local_block_ids)
                 nbytes = int(reply["nbytes"])
-                if nbytes != blocks.staging_bytes(self._kv, n):
-                    conn.chan.close()  # out of step with the producer: start a fresh pair
+                if nbytes != want:
+                    peer.drop()  # out of step with the producer: start afresh
                     raise TransferError(f"producer announced {nbytes} bytes for {n} blocks")
-                raw = conn.chan.staging(nbytes)
-                conn.chan.recv(raw, tag)
+                if conn.shm is not None:
+                    raw = conn.shm.buffer(nbytes).tensor(nbytes)  # already there
+                else:
+                    assert conn.chan is not None
+                    raw = conn.chan.staging(nbytes)
+                    conn.chan.recv(raw, tag)
             except (WireError, TransferError) as e:
-                if not isinstance(e, TransferError) or conn.chan.closed:
+                if not isinstance(e, TransferError) or conn.broken:
                     peer.drop()
                 raise
             if job.corrupt:
                 raw.bitwise_xor_(0x5A)
             # Still under the peer lock: the next pull from this peer reuses the staging buffer.
             blocks.scatter(blocks.staging_view(raw, self._kv, n), self._kv, job.local_block_ids)
-        return nbytes
+            del raw  # no view of a shared segment outlives the lock (it may be replaced)
+            return nbytes, conn.shm is not None
 
     def _release(self, tk: KVTicket) -> None:
         try:
@@ -225,6 +247,8 @@ class Consumer:
             sock = socket.create_connection((host, port), timeout=s.timeout_s)
         except OSError as e:
             raise TransferError(f"cannot reach KV producer at {host}:{port}: {e}") from e
+        device = next(iter(self._kv.values())).device
+        shm = ConsumerStaging() if s.shares_memory(device.type) else None
         try:
             first = recv_msg(sock)
             if first.get("op") != "challenge" or not isinstance(first.get("challenge"), str):
@@ -232,27 +256,40 @@ class Consumer:
                                        f"{first.get('error', 'no challenge')}")
             theirs, ours = first["challenge"], secrets.token_hex(16)
             pair_key = f"{first.get('engine_id')}/{self.engine_id}/{uuid.uuid4().hex}"
-            send_msg(sock, {"op": "hello", "engine_id": self.engine_id, "pair_key": pair_key,
-                            "expect_engine_id": engine_id or None, "spec": self._spec.to_dict(),
-                            "challenge": ours,
-                            "proof": auth_proof(s.secret, CONSUMER, theirs, ours, pair_key)
-                            if s.secret else ""})
+            hello = {"op": "hello", "engine_id": self.engine_id, "pair_key": pair_key,
+                     "expect_engine_id": engine_id or None, "spec": self._spec.to_dict(),
+                     "challenge": ours,
+                     "proof": auth_proof(s.secret, CONSUMER, theirs, ours, pair_key)
+                     if s.secret else ""}
+            if shm is not None:
+                hello["shm"] = shm.offer()
+            send_msg(sock, hello)
             reply = recv_msg(sock)
             if not reply.get("ok"):
                 raise IncompatiblePeer(
                     f"KV producer at {host}:{port} refused: {reply.get('error')}")
             store_port = str(reply.get("store_port"))
-            # The producer proves the secret too, before we go near the store it names: a
-            # peer without it could otherwise pose as a producer and feed us bytes.
-            if s.secret and not check_proof(s.secret, PRODUCER, theirs, ours, store_port,
+            shared = shm is not None and reply.get("shm") is True
+            # The producer proves the secret too, before we go near the store it names (or
+            # trust it with our memory): a peer without it could otherwise pose as a producer
+            # and feed us bytes.
+            if s.secret and not check_proof(s.secret, PRODUCER, theirs, ours,
+                                            f"{store_port}/shm" if shared else store_port,
                                             reply.get("proof")):
                 raise IncompatiblePeer(f"KV producer at {host}:{port} did not prove the shared "
                                        f"secret: authentication failed")
+            if shared:
+                log.info("KV link %s up through shared memory (%s)", pair_key, shm.segment.name)
+                return _Conn(sock, None, shm)
+            if shm is not None:
+                shm.close()  # not taken: another host (or IPC namespace)
+                shm = None
             store = connect_store(host, int(store_port), s.timeout_s)
-            device = next(iter(self._kv.values())).device
             chan = PairChannel(store, pair_key, CONSUMER_RANK, device, s.timeout_s, s.host)
         except BaseException:
+            if shm is not None:
+                shm.close()
             sock.close()
             raise
         log.info("KV pair channel %s up", pair_key)
-        return _Conn(sock, chan)
+        return _Conn(sock, chan, None)

@@ -15,7 +15,8 @@ Lifecycle of one transfer here (states and their bookkeeping: transfers.py):
 `take_finished()` hands vLLM the requests whose blocks it may free (finished_sending).
 
 One thread per consumer connection serves its pulls in order; each connection owns one pair
-channel (a 2-rank process group), so pairs never contend for a group or a staging buffer. At
+channel (a 2-rank process group), or, when the consumer shares this host's memory, its consumer's
+shared-memory segment (shm.py), so pairs never contend for a group or a staging buffer. At
 most `max_connections` are served at once: one more is told so and closed, costing no thread.
 A connection starts with the mutual handshake: both sides prove the shared secret before the
 producer reveals its rendezvous store or anything about its cache (`_handshake`).
@@ -35,6 +36,7 @@ from splitserve.kv import blocks
 from splitserve.kv.board import BoardWriter
 from splitserve.kv.pair_channel import PRODUCER_RANK, PairChannel, TransferError, host_store
 from splitserve.kv.settings import ConnectorSettings
+from splitserve.kv.shm import ProducerAttachment
 from splitserve.kv.spec import KVSpec
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import TransferId
@@ -54,6 +56,19 @@ log = logging.getLogger(__name__)
 # How long a pull waits for its transfer to be registered: the consumer can learn the ticket
 # (via the router) before this engine's next step has told the worker about it.
 REGISTER_WAIT_S = 5.0
+
+
+class _Link:
+    """How one connection's bytes travel: the consumer's shared memory, or a pair channel."""
+
+    def __init__(self, chan: PairChannel | None, shm: ProducerAttachment | None) -> None:
+        self.chan, self.shm = chan, shm
+
+    def close(self) -> None:
+        if self.chan is not None:
+            self.chan.close()
+        if self.shm is not None:
+            self.shm.close()
 
 
 class Producer:
@@ -145,12 +160,12 @@ class Producer:
             conn.close()
 
     def _serve(self, conn: socket.socket, addr) -> None:
-        chan: PairChannel | None = None
+        link: _Link | None = None
         timeout_s = self.settings.timeout_s
         conn.settimeout(timeout_s)
         try:
-            chan = self._handshake(conn)
-            if chan is None:
+            link = self._handshake(conn)
+            if link is None:
                 return
             conn.settimeout(None)  # idle connections are fine; each request has its own bounds
             while not self._stop.is_set():
@@ -158,7 +173,7 @@ class Producer:
                 conn.settimeout(timeout_s)
                 op = msg.get("op")
                 if op == "pull":
-                    self._serve_pull(conn, chan, msg)
+                    self._serve_pull(conn, link, msg)
                 elif op == "release":
                     state = self.release(TransferId(str(msg.get("transfer_id"))))
                     send_msg(conn, {"ok": True, "state": state})
@@ -168,15 +183,18 @@ class Producer:
         except (WireError, TransferError) as e:
             log.info("KV consumer %s disconnected: %s", addr, e)
         finally:
-            if chan is not None:
-                chan.close()
+            if link is not None:
+                link.close()
             conn.close()
             with self._count_lock:
                 self.connections -= 1
             self._slots.release()
 
-    def _handshake(self, conn: socket.socket) -> PairChannel | None:
-        """challenge → hello (the consumer's proof and challenge) → ok (ours) or refusal."""
+    def _handshake(self, conn: socket.socket) -> _Link | None:
+        """challenge → hello (the consumer's proof and challenge) → ok (ours) or refusal.
+
+        The consumer may offer its shared-memory segment; we take it if we can open it and
+        read its nonce (shm.py), and then build no pair channel."""
         assert self._spec is not None and self._store is not None
         s = self.settings
         challenge = secrets.token_hex(16)
@@ -205,14 +223,20 @@ class Producer:
             log.warning("refusing KV consumer %s: %s", hello.get("engine_id"), error)
             send_msg(conn, {"ok": False, "error": error})
             return None
-        port = self._store.port
-        send_msg(conn, {"ok": True, "store_port": port,
-                        "proof": auth_proof(s.secret, PRODUCER, challenge, theirs, str(port))
-                        if s.secret else ""})
         device = next(iter(self._kv.values())).device
-        return PairChannel(self._store, pair_key, PRODUCER_RANK, device, s.timeout_s, s.host)
+        shm = (ProducerAttachment.accept(hello.get("shm"))
+               if "shm" in hello and s.shares_memory(device.type) else None)
+        port = self._store.port
+        bound = f"{port}/shm" if shm else str(port)  # the proof covers the path we chose
+        send_msg(conn, {"ok": True, "store_port": port, "shm": shm is not None,
+                        "proof": auth_proof(s.secret, PRODUCER, challenge, theirs, bound)
+                        if s.secret else ""})
+        if shm is not None:
+            return _Link(None, shm)
+        return _Link(PairChannel(self._store, pair_key, PRODUCER_RANK, device, s.timeout_s,
+                                 s.host), None)
 
-    def _serve_pull(self, conn: socket.socket, chan: PairChannel, msg: dict) -> None:
+    def _serve_pull(self, conn: socket.socket, link: _Link, msg: dict) -> None:
         tid = TransferId(str(msg.get("transfer_id")))
         want = [int(b) for b in msg.get("block_ids", [])]
         try:
@@ -224,28 +248,46 @@ class Producer:
             return
         t0 = time.perf_counter()
         ok = False
+        nbytes = blocks.staging_bytes(self._kv, len(want))
         try:
-            raw, nbytes = self._gather(chan, t.block_ids, want, t.snapshot)
-            self.book.gathered(t)  # copied (or ours): vLLM may reuse the blocks from now on
-            send_msg(conn, {"ok": True, "nbytes": nbytes})
-            if self.settings.stall_before_send_s:
-                time.sleep(self.settings.stall_before_send_s)
-            chan.send(raw, int(msg["tag"]))
+            if link.shm is not None:
+                try:
+                    into = link.shm.buffer(msg.get("shm"), nbytes)
+                except (OSError, ValueError) as e:
+                    raise TransferError(f"consumer's shared memory: {e}") from e
+                self._gather(into, t.block_ids, want, t.snapshot)
+                self.book.gathered(t)
+                if self.settings.stall_before_send_s:
+                    time.sleep(self.settings.stall_before_send_s)
+                send_msg(conn, {"ok": True, "nbytes": nbytes})  # the bytes are in place
+            else:
+                assert link.chan is not None
+                raw = self._gather(None if t.snapshot is not None and want == t.block_ids
+                                   else link.chan.staging(nbytes), t.block_ids, want,
+                                   t.snapshot)
+                self.book.gathered(t)  # copied (or ours): vLLM may reuse the blocks from now on
+                send_msg(conn, {"ok": True, "nbytes": nbytes})
+                if self.settings.stall_before_send_s:
+                    time.sleep(self.settings.stall_before_send_s)
+                link.chan.send(raw, int(msg["tag"]))
             ok = True
         except TransferError:
             self.stats.record_failure()
             raise
         finally:
             self.book.finish(t, ok)
-        self.stats.record_transfer(nbytes, time.perf_counter() - t0)
+        self.stats.record_transfer(nbytes, time.perf_counter() - t0, link.shm is not None)
 
-    def _gather(self, chan: PairChannel, held: list[int], want: list[int],
-                snapshot: torch.Tensor | None) -> tuple[torch.Tensor, int]:
-        """`want` (a subset of `held`, in the consumer's order) as one contiguous buffer."""
-        nbytes = blocks.staging_bytes(self._kv, len(want))
+    def _gather(self, raw: torch.Tensor | None, held: list[int], want: list[int],
+                snapshot: torch.Tensor | None) -> torch.Tensor:
+        """`want` (a subset of `held`, in the consumer's order) as one contiguous buffer: `raw`
+        (staging bytes), or, when None, the snapshot itself (all of it, in order)."""
         if snapshot is not None and want == held:
-            return snapshot, nbytes  # the common case: everything, in order, already contiguous
-        raw = chan.staging(nbytes)
+            if raw is None:
+                return snapshot  # the common case: everything, in order, already contiguous
+            raw.copy_(snapshot[:raw.numel()])
+            return raw
+        assert raw is not None
         out = blocks.staging_view(raw, self._kv, len(want))
         if snapshot is None:
             blocks.gather(self._kv, want, out)
@@ -254,7 +296,7 @@ class Producer:
             snap = blocks.staging_view(snapshot, self._kv, len(held))
             pos = torch.tensor([where[b] for b in want], device=snap.device)
             torch.index_select(snap, 1, pos, out=out)
-        return raw, nbytes
+        return raw
 
     # -- status (the board, harnesses) and release (the router's, via control.py) -------------
     def status(self) -> dict[str, int]:

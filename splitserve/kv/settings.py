@@ -11,6 +11,7 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 HOLD_MODES = ("auto", "copy", "blocks")
+TRANSPORTS = ("auto", "pair")
 KV_SECRET_ENV = "SPLITSERVE_KV_SECRET"
 
 
@@ -37,12 +38,17 @@ class ConnectorSettings:
     # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
     # (device memory is the scarce thing there).
     hold: str = "auto"
+    # "auto": through shared memory when both ends see the same /dev/shm (one host; CPU caches),
+    # else the pair channel; "pair": always the pair channel. Either side can refuse shm.
+    transport: str = "auto"
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
     status_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.hold not in HOLD_MODES:
             raise ValueError(f"hold must be one of {HOLD_MODES}, got {self.hold!r}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
         if self.max_connections < 1:
@@ -62,6 +68,12 @@ class ConnectorSettings:
         config; the secret reaches the engine through its environment instead)."""
         return {f.name: getattr(self, f.name) for f in fields(self)
                 if f.name != "secret" and getattr(self, f.name) is not None}
+
+    def shares_memory(self, device_type: str) -> bool:
+        """Whether this side offers (consumer) or accepts (producer) the shared-memory path."""
+        from splitserve.kv import shm
+
+        return self.transport == "auto" and device_type == "cpu" and shm.available()
 
     def copies_out(self, device_type: str) -> bool:
         """Whether a producer on `device_type` copies held blocks out (see `hold`)."""

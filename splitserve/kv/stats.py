@@ -17,6 +17,7 @@ class TransferSample:
     seconds: float = 0.0
     failures: int = 0
     lease_expired: int = 0
+    shm_transfers: int = 0  # of `transfers`, those through shared memory (same host, shm.py)
     # Per-transfer (bytes, seconds) pairs, so a histogram of GB/s can be built downstream.
     samples: list[tuple[int, float]] = field(default_factory=list)
 
@@ -26,12 +27,13 @@ class TransferSample:
         self.seconds += other.seconds
         self.failures += other.failures
         self.lease_expired += other.lease_expired
+        self.shm_transfers += other.shm_transfers
         self.samples.extend(other.samples)
 
     def totals(self) -> TransferSample:
         """The counters alone: running totals must not keep every transfer's (bytes, s)."""
         return TransferSample(self.transfers, self.bytes, self.seconds, self.failures,
-                              self.lease_expired)
+                              self.lease_expired, self.shm_transfers)
 
     def is_empty(self) -> bool:
         return not (self.transfers or self.failures or self.lease_expired)
@@ -52,8 +54,9 @@ class TransferStats:
         self._pending = TransferSample()
         self.total = TransferSample()  # since start, for logs and tests
 
-    def record_transfer(self, nbytes: int, seconds: float) -> None:
-        self._add(TransferSample(1, nbytes, seconds, samples=[(nbytes, seconds)]))
+    def record_transfer(self, nbytes: int, seconds: float, shm: bool = False) -> None:
+        self._add(TransferSample(1, nbytes, seconds, shm_transfers=int(shm),
+                                 samples=[(nbytes, seconds)]))
 
     def record_failure(self) -> None:
         self._add(TransferSample(failures=1))

@@ -68,6 +68,8 @@ class _Collector:
                       kv.get("released", 0))
         t = s.transfers
         yield counter("splitserve:kv_transfers", "KV transfers completed", t.transfers)
+        yield counter("splitserve:kv_shm_transfers", "KV transfers through shared memory "
+                      "(same host; the rest took the pair channel)", t.shm_transfers)
         yield counter("splitserve:kv_transfer_bytes", "KV bytes transferred", t.bytes)
         yield counter("splitserve:kv_transfer_failures", "KV transfers failed", t.failures)
         yield counter("splitserve:kv_lease_expired", "KV leases expired unpulled",

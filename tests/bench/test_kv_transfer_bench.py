@@ -8,7 +8,8 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-FIELDS = ("pair_channel_gbps", "tcp_loopback_gbps", "memcpy_gbps", "connector_gbps", "pair_vs_tcp")
+FIELDS = ("pair_channel_gbps", "tcp_loopback_gbps", "memcpy_gbps", "connector_gbps",
+          "connector_shm_gbps", "pair_vs_tcp", "shm_vs_pair")
 
 
 def test_kv_transfer_bench_reports_one_positive_row(tmp_path: Path) -> None:

@@ -16,6 +16,7 @@ import grpc
 
 from deploy.procs import Proc, ProcessSet
 from router.registry import worker_stub
+from splitserve.kv import shm
 from splitserve.roles import Role
 from splitserve.v1 import generation_pb2_grpc, worker_pb2
 
@@ -102,6 +103,14 @@ class ProcCluster(ProcessSet):
         for _ in range(50):
             survivors = self.survivors()
             if not survivors:
+                break
+            time.sleep(0.1)
+        else:
+            raise AssertionError(f"processes left behind: {survivors}")
+        # Shared-memory KV segments go with their consumers (unlinked at shutdown, or by the
+        # resource tracker of a process that was killed).
+        for _ in range(50):
+            if not shm.leftover_segments():
                 return
             time.sleep(0.1)
-        raise AssertionError(f"processes left behind: {survivors}")
+        raise AssertionError(f"shared KV segments left behind: {shm.leftover_segments()}")

@@ -21,6 +21,7 @@ import pytest
 
 from bench.kv_producer import ProducerProc
 from splitserve.engine import EngineConfig
+from splitserve.kv import shm
 from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.ticket import KVTicket, produce_params
 from tests.utils import (
@@ -67,6 +68,7 @@ def cluster(tiny_model_dir: Path):
     c = Cluster(tiny_model_dir)
     yield c
     c.close()
+    assert shm.leftover_segments() == []  # the consumers unlinked their segments at shutdown
 
 
 @pytest.fixture(autouse=True)
@@ -84,13 +86,15 @@ def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluste
             disagg_greedy(cluster.P, cluster.D, ids, MAX_TOKENS, f"gold{i}")
             for i, ids in enumerate(prompts)))
 
-    before = cluster.monitors["D"].snapshot().transfers.transfers
+    before = cluster.monitors["D"].snapshot().transfers
     got = cluster.run(all_disagg())
     for n, w, (g, _) in zip(GOLDEN_LENGTHS, want, got):
         assert g == w, f"{n}-token prompt: disaggregated {g} != colocated {w}"
-    # Every prompt pulled its KV (D computes only the first generated token's KV itself).
+    # Every prompt pulled its KV (D computes only the first generated token's KV itself), and
+    # on one host through shared memory (the pair channel's golden run: tests/kv/test_fp8.py).
     pulled = cluster.monitors["D"].snapshot().transfers
-    assert pulled.transfers - before == len(GOLDEN_LENGTHS)
+    assert pulled.transfers - before.transfers == len(GOLDEN_LENGTHS)
+    assert pulled.shm_transfers - before.shm_transfers == len(GOLDEN_LENGTHS)
     assert pulled.failures == 0 and pulled.bytes > 0
 
 

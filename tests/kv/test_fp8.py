@@ -15,6 +15,7 @@ import pytest
 
 from bench.kv_memory import MIB, ModelKvShape, plan
 from splitserve.engine import EngineConfig
+from splitserve.kv.settings import ConnectorSettings
 from tests.utils import GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy, make_prompts
 
 pytestmark = pytest.mark.slow
@@ -27,7 +28,10 @@ def fp8(tiny_model_dir: Path):
     base = {"model": str(tiny_model_dir), "dtype": "float32", "kv_cache_mib": KV_MIB}
     engines = EngineSet({
         "P8": EngineConfig(**base, kv_cache_dtype="fp8", kv_role="kv_producer", engine_id="P8"),
-        "D8": EngineConfig(**base, kv_cache_dtype="fp8", kv_role="kv_consumer", engine_id="D8"),
+        # The pair channel, as between hosts (the default would take shared memory here): the
+        # golden run over torch.distributed with a real engine on both ends.
+        "D8": EngineConfig(**base, kv_cache_dtype="fp8", kv_role="kv_consumer", engine_id="D8",
+                           kv_settings=ConnectorSettings(transport="pair")),
         "C8": EngineConfig(**base, kv_cache_dtype="fp8"),
         "C32": EngineConfig(**base),
     })
@@ -56,6 +60,7 @@ def test_fp8_disaggregated_equals_fp8_colocated(fp8: EngineSet, tiny_model_dir: 
         assert g == w, f"{n}-token prompt: fp8 disaggregated {g} != fp8 colocated {w}"
     after = fp8.monitors["D8"].snapshot().transfers
     assert after.transfers - before == len(GOLDEN_LENGTHS) and after.failures == 0
+    assert after.shm_transfers == 0  # every byte over gloo
 
 
 def test_fp8_moves_and_holds_a_quarter_of_float32s_bytes(fp8: EngineSet,

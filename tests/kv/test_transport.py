@@ -2,17 +2,23 @@
 
 The cache tensors are plain tensors shaped like vLLM's ([blocks, kv_heads, block_size, C]), so
 these tests run in seconds and can kill, stall or mismatch the producer at will.
+
+Consumers here use the pair channel (the cross-host path) unless a test asks for "auto", which on
+this one host takes the shared-memory path (shm.py); the tests that matter for both run on both.
 """
 
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 
 import pytest
 import torch
 
-from bench.kv_producer import DEFAULTS, ProducerProc, caches_of
+from bench.kv_producer import DEFAULTS, ROOT, ProducerProc, caches_of
+from splitserve.kv import shm
 from splitserve.kv.consumer import Consumer, LoadResult, PullJob
 from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
@@ -21,6 +27,7 @@ from splitserve.kv.ticket import KVTicket, TransferId
 from splitserve.net import free_port
 
 BASE = DEFAULTS
+BOTH = pytest.mark.parametrize("transport", ["pair", "auto"], ids=["pair", "shm"])
 
 
 @pytest.fixture
@@ -41,13 +48,14 @@ def producers():
 def consumers():
     started: list[Consumer] = []
 
-    def start(**overrides) -> Consumer:
+    def start(transport: str = "pair", **overrides) -> Consumer:
         cfg = {**BASE, **overrides}
         caches = caches_of(cfg, seed=99)
         for t in caches.values():
             t.zero_()
         c = Consumer("test-d", ConnectorSettings(timeout_s=cfg["timeout_s"],
-                                                 secret=cfg["secret"]), TransferStats())
+                                                 secret=cfg["secret"], transport=transport),
+                     TransferStats())
         c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], caches,
                                          cfg["cache_dtype"]))
         c.caches = caches
@@ -57,6 +65,7 @@ def consumers():
     yield start
     for c in started:
         c.shutdown()
+    assert shm.leftover_segments() == []  # every shared segment is unlinked with its consumer
 
 
 def job(p: ProducerProc, tid: str, remote: list[int], local: list[int]) -> PullJob:
@@ -76,11 +85,18 @@ def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[
     raise AssertionError(f"no result for {tid} within {wait_s} s")
 
 
-@pytest.mark.parametrize("copy_out", [False, True], ids=["hold-blocks", "copy-out"])
-@pytest.mark.parametrize("dtype", ["float32", "bfloat16", "float16", "float8_e4m3fn"])
+# Every dtype on the pair channel; shared memory moves the same raw words, so fewer suffice.
+_EXACT = [("pair", d, c) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn")
+          for c in (False, True)] + [("auto", "bfloat16", False), ("auto", "bfloat16", True),
+                                     ("auto", "float8_e4m3fn", True)]
+
+
+@pytest.mark.parametrize(("transport", "dtype", "copy_out"), _EXACT, ids=[
+    f"{'shm' if t == 'auto' else t}-{d}-{'copy-out' if c else 'hold-blocks'}"
+    for t, d, c in _EXACT])
 def test_pull_is_bit_exact_and_frees_the_lease(producers, consumers, dtype: str,
-                                               copy_out: bool) -> None:
-    p, c = producers(dtype=dtype, copy_out=copy_out), consumers(dtype=dtype)
+                                               copy_out: bool, transport: str) -> None:
+    p, c = producers(dtype=dtype, copy_out=copy_out), consumers(transport, dtype=dtype)
     remote, local = [3, 7, 1, 12], [10, 2, 5, 15]
     assert p.cmd(op="hold", transfer_id="t1", block_ids=[1, 3, 7, 12, 9])["ok"]
     res = pull(c, p, "t1", remote, local)
@@ -93,6 +109,9 @@ def test_pull_is_bit_exact_and_frees_the_lease(producers, consumers, dtype: str,
     state = p.cmd(op="finished")
     assert state["finished"] == ["t1"] and state["status"]["held"] == 0
     assert state["total"]["transfers"] == 1 and state["total"]["bytes"] > 0
+    # Both ends agree on the path the bytes took.
+    shared = int(transport == "auto")
+    assert state["total"]["shm_transfers"] == c.stats.total.shm_transfers == shared
 
 
 def test_staging_buffer_is_reused_across_transfers(producers, consumers) -> None:
@@ -104,6 +123,73 @@ def test_staging_buffer_is_reused_across_transfers(producers, consumers) -> None
         (peer,) = c._peers.values()
         ptrs.append(peer.conn.chan.staging(1).data_ptr())
     assert len(set(ptrs)) == 1
+
+
+def test_shared_segment_is_reused_and_grown_with_the_largest_pull(producers, consumers) -> None:
+    p, c = producers(num_blocks=64, shape=[2, 128, 128]), consumers("auto", num_blocks=64,
+                                                                  shape=[2, 128, 128])
+    block = 3 * 2 * 128 * 128 * 2  # layers * heads * tokens * row * bf16: 192 KiB
+    names = []
+    for i, n in enumerate([2, 3, 40, 2]):  # 40 blocks (7.5 MiB) outgrow the first 1 MiB
+        ids = list(range(n))
+        p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)
+        assert pull(c, p, f"t{i}", ids, ids[::-1]).ok
+        (peer,) = c._peers.values()
+        names.append(peer.conn.shm.segment.name)
+        assert peer.conn.shm.segment.size >= n * block
+        assert shm.leftover_segments() == [names[-1]]  # the one it replaced is unlinked
+    assert names[0] == names[1] != names[2] == names[3]
+    for name, want in p.expected([0, 1]).items():
+        assert torch.equal(c.caches[name][[1, 0]].view(torch.uint8), want.view(torch.uint8))
+    assert p.cmd(op="finished")["total"]["shm_transfers"] == 4
+
+
+def test_a_producer_that_cannot_share_memory_gets_the_pair_channel(producers, consumers) -> None:
+    """The consumer offers its segment; a producer that declines (another host, another IPC
+    namespace, or told not to) is served over the pair channel, and the offer is unlinked."""
+    p, c = producers(transport="pair"), consumers("auto")
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
+    assert pull(c, p, "t1", [1, 2], [3, 4]).ok
+    (peer,) = c._peers.values()
+    assert peer.conn.shm is None and peer.conn.chan is not None
+    assert c.stats.total.shm_transfers == 0 and shm.leftover_segments() == []
+    for name, want in p.expected([1, 2]).items():
+        assert torch.equal(c.caches[name][[3, 4]].view(torch.uint8), want.view(torch.uint8))
+
+
+def test_a_forged_segment_offer_is_not_taken(producers) -> None:
+    """The producer takes the path only if it reads the offer's nonce in the named segment."""
+    from splitserve.kv.shm import ConsumerStaging, ProducerAttachment
+
+    staging = ConsumerStaging()
+    try:
+        good = ProducerAttachment.accept(staging.offer())
+        assert good is not None
+        good.close()
+        assert ProducerAttachment.accept({**staging.offer(), "nonce": "00" * 16}) is None
+        assert ProducerAttachment.accept({"name": "../../etc/passwd", "nonce": ""}) is None
+        assert ProducerAttachment.accept({"name": shm.PREFIX + "0" * 24, "nonce": ""}) is None
+    finally:
+        staging.close()
+
+
+def test_a_sigkilled_consumer_leaves_no_segment() -> None:
+    """The segment is created through multiprocessing's shared memory, whose resource tracker
+    unlinks what a dead process left behind."""
+    code = ("import os, signal, sys; from splitserve.kv.shm import ConsumerStaging; "
+            "s = ConsumerStaging(); print(s.segment.name, flush=True); sys.stdin.readline(); "
+            "os.kill(os.getpid(), signal.SIGKILL)")
+    proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+    name = proc.stdout.readline().strip()
+    assert name in shm.leftover_segments()
+    proc.stdin.write("\n")
+    proc.stdin.flush()
+    assert proc.wait(10) == -signal.SIGKILL
+    deadline = time.monotonic() + 10
+    while name in shm.leftover_segments():
+        assert time.monotonic() < deadline, f"{name} outlived its SIGKILLed creator"
+        time.sleep(0.05)
 
 
 @pytest.mark.parametrize(("field", "value", "needle"), [
@@ -155,12 +241,13 @@ def test_unknown_transfer_is_refused_after_a_bounded_wait(producers, consumers) 
     assert time.monotonic() - t0 < 10
 
 
-def test_producer_killed_mid_transfer_fails_fast(producers, consumers) -> None:
+@BOTH
+def test_producer_killed_mid_transfer_fails_fast(producers, consumers, transport: str) -> None:
     dying, healthy = producers(stall_before_send_s=60.0), producers()
-    c = consumers()
+    c = consumers(transport)
     dying.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
     c.submit(job(dying, "t1", [1, 2], [3, 4]))
-    time.sleep(1.0)  # the producer has answered and is stalling before the send
+    time.sleep(1.0)  # the producer is stalling before the send (pair) or its reply (shm)
     assert c.take_results() == []
     dying.proc.kill()
     t_kill = time.monotonic()
@@ -202,8 +289,10 @@ def test_layout_mismatch_is_refused(producers, consumers) -> None:
     assert not res.ok and "layout: ours 'LBHNC', peer's 'LBNHC'" in res.error
 
 
-def test_concurrent_pulls_from_one_producer_land_in_their_own_blocks(producers, consumers):
-    p, c = producers(num_blocks=32), consumers(num_blocks=32)
+@BOTH
+def test_concurrent_pulls_from_one_producer_land_in_their_own_blocks(producers, consumers,
+                                                                     transport: str) -> None:
+    p, c = producers(num_blocks=32), consumers(transport, num_blocks=32)
     jobs = {f"t{i}": ([2 * i + 1, 2 * i + 2], [30 - 2 * i, 29 - 2 * i]) for i in range(8)}
     for tid, (remote, _) in jobs.items():
         p.cmd(op="hold", transfer_id=tid, block_ids=remote)
@@ -292,11 +381,13 @@ def test_a_stalled_producer_does_not_delay_pulls_from_another(producers, consume
         stalled.proc.send_signal(signal.SIGCONT)
 
 
-def test_a_producer_without_the_secret_is_refused_by_the_consumer(producers, consumers) -> None:
+@BOTH
+def test_a_producer_without_the_secret_is_refused_by_the_consumer(producers, consumers,
+                                                                  transport: str) -> None:
     """Mutual auth: the producer proves the secret too. A peer posing as a producer — one that
     accepts any consumer and serves blocks of its own — is refused before the consumer goes
     near the store it names, so no bytes of its are ever scattered into our cache."""
-    impostor, c = producers(secret=None), consumers(secret="s3cret")
+    impostor, c = producers(secret=None), consumers(transport, secret="s3cret")
     impostor.cmd(op="hold", transfer_id="t1", block_ids=[1])
     res = pull(c, impostor, "t1", [1], [2])
     assert not res.ok and "did not prove the shared secret" in res.error, res.error
@@ -304,7 +395,9 @@ def test_a_producer_without_the_secret_is_refused_by_the_consumer(producers, con
     assert not any(t.view(torch.uint8).any() for t in c.caches.values())
     genuine = producers(secret="s3cret")
     genuine.cmd(op="hold", transfer_id="t1", block_ids=[1])
-    assert pull(consumers(secret="s3cret"), genuine, "t1", [1], [2]).ok
+    good = consumers(transport, secret="s3cret")
+    assert pull(good, genuine, "t1", [1], [2]).ok
+    assert good.stats.total.shm_transfers == int(transport == "auto")
 
 
 def test_a_consumer_without_the_secret_is_refused_by_the_producer(producers, consumers) -> None:
