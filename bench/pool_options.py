@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 from pathlib import Path
 
@@ -83,8 +84,21 @@ def run_variant(model: str, roles: list[Role], name: str, worker_args: list[str]
     finally:
         cluster.stop(grace_s=15)
     return {"variant": name, "worker_args": worker_args, "router_args": router_args,
-            "runs": [{k: v for k, v in r.items() if k != "requests"} for r in res["runs"]],
+            "runs": [{**{k: v for k, v in r.items() if k != "requests"},
+                      **handoff(r["requests"])} for r in res["runs"]],
             "workers": workers}
+
+
+def handoff(requests: list[dict]) -> dict[str, float | None]:
+    """Medians (ms) over the run's requests of the first-to-second token gap (the KV hand-off
+    as the client sees it), of the decode step after it, and of the KV transfer the router
+    timed: the hand-off goal is gap <= step + transfer + 10 ms."""
+    def p50(key: str) -> float | None:
+        xs = [r[key] for r in requests if r.get("ok") and r.get(key) is not None]
+        return 1e3 * statistics.median(xs) if xs else None
+
+    return {"median_first_gap_ms": p50("first_gap_s"), "median_step_ms": p50("step_s"),
+            "median_transfer_ms": p50("transfer_s")}
 
 
 def _pools_line(v: dict) -> str:
@@ -106,8 +120,12 @@ def _pools_line(v: dict) -> str:
 
 
 def table(variants: list[dict]) -> str:
-    lines = ["| variant | rate | attainment | TTFT p50 / p99 ms | TPOT p50 / p99 ms | out tok/s |",
-             "|---|---|---|---|---|---|"]
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x:.0f}"
+
+    lines = ["| variant | rate | attainment | TTFT p50 / p99 ms | TPOT p50 / p99 ms | out tok/s "
+             "| 1st→2nd token / step / transfer p50 ms |",
+             "|---|---|---|---|---|---|---|"]
     for v in variants:
         for r in v["runs"]:
             att = r.get("slo_attainment")
@@ -115,7 +133,8 @@ def table(variants: list[dict]) -> str:
                          f"{'' if att is None else f'{att:.0%}'} | "
                          f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                          f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
-                         f"{r['output_throughput']:.0f} |")
+                         f"{r['output_throughput']:.0f} | {ms(r.get('median_first_gap_ms'))} / "
+                         f"{ms(r.get('median_step_ms'))} / {ms(r.get('median_transfer_ms'))} |")
     lines.append("")
     lines += [f"- {v['variant']}: {_pools_line(v)}" for v in variants]
     return "\n".join(lines) + "\n"

@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import statistics
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -103,9 +104,15 @@ async def _workers(a: argparse.Namespace) -> tuple[int, int]:
 
 
 def _rows(results) -> list[dict]:
-    """Per-request records (for the planner and for re-plotting), seconds."""
+    """Per-request records (for the planner and for re-plotting), seconds. `first_gap_s`: first
+    chunk to second, the KV hand-off as the client sees it; `step_s`: the median gap after it."""
+    def gaps(r) -> dict[str, float | None]:
+        g = r.itls
+        return {"first_gap_s": g[0] if g else None,
+                "step_s": statistics.median(g[1:]) if len(g) > 1 else None}
+
     return [{"ok": r.ok, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
-             "ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e,
+             "ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e, **gaps(r),
              **{k: r.server.get(k) for k in ("queue_s", "prefill_s", "transfer_s", "decode_s")}}
             for r in results]
 

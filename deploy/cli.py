@@ -59,6 +59,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host", default="127.0.0.1", help="address peers use for KV transfer")
     g.add_argument("--kv-lease-s", type=float, default=30.0)
     g.add_argument("--kv-timeout-s", type=float, default=10.0)
+    g.add_argument("--kv-transport", choices=["auto", "pair"], default="auto",
+                   help="auto: KV between workers on one host through shared memory, across "
+                        "hosts over the pair channel (torch.distributed); pair: always the "
+                        "pair channel")
     sec.add_kv_secret(g)
 
 
@@ -72,7 +76,7 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
              if a.max_num_batched_tokens else []),
            "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
            a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s),
-           "--kv-max-connections", str(a.kv_max_connections)]
+           "--kv-transport", a.kv_transport, "--kv-max-connections", str(a.kv_max_connections)]
     return out  # the KV secret travels in the environment (deploy/local.py), never in argv
 
 
@@ -85,7 +89,8 @@ def _worker(role: Role):
         from splitserve.worker.core import WorkerConfig
 
         kv = ConnectorSettings(host=a.kv_host, lease_s=a.kv_lease_s, timeout_s=a.kv_timeout_s,
-                               secret=sec.kv_secret_of(a), max_connections=a.kv_max_connections)
+                               secret=sec.kv_secret_of(a), max_connections=a.kv_max_connections,
+                               transport=a.kv_transport)
         token = sec.cluster_token_of(a)
         sec.require_on_network(a.host, f"a {role} worker", token, "a cluster credential "
                                "($SPLITSERVE_CLUSTER_TOKEN or --cluster-token-file)")
@@ -125,8 +130,8 @@ def _router(a: argparse.Namespace) -> int:
         model_dir=model_dir, model_name=a.model_name, model_aliases=aliases, host=a.host,
         port=a.grpc_port, cluster_port=a.cluster_port, cluster_token=token, tls=sec.tls_of(a),
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-        local_prefill_threshold=a.local_prefill_threshold, http_port=a.http_port,
-        prefix_affinity=a.prefix_affinity,
+        admit_ttft_slo_s=a.admit_ttft_slo, local_prefill_threshold=a.local_prefill_threshold,
+        http_port=a.http_port, prefix_affinity=a.prefix_affinity,
         api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
         max_migrations=a.max_migrations,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
@@ -165,6 +170,8 @@ def _up(a: argparse.Namespace) -> int:
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
                    "--http-port", str(a.http_port)]
+    if a.admit_ttft_slo is not None:
+        router_args += ["--admit-ttft-slo", str(a.admit_ttft_slo)]
     if a.model:  # requests may name the model as the user did (vLLM's tools send --model)
         router_args += ["--model-alias", a.model]
     for k in _LIMIT_FLAGS:
@@ -255,6 +262,10 @@ def _generate_local(a: argparse.Namespace) -> int:
 def _router_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--max-concurrency", type=int, default=64)
     p.add_argument("--max-queue", type=int, default=256)
+    p.add_argument("--admit-ttft-slo", type=float, default=None, metavar="SECONDS",
+                   help="refuse at once (gRPC RESOURCE_EXHAUSTED / HTTP 429, with a retry-after) "
+                        "a request whose predicted time to first token exceeds this; default: "
+                        "queue every request (up to --max-queue)")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API, /metrics and /health (0: any free port)")
     from router.validation import RequestLimits

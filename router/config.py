@@ -24,6 +24,9 @@ class RouterConfig:
     max_model_len: int = 4096  # prompt + max_tokens limit; must match the workers' engines
     max_concurrency: int = 64  # requests in flight through the router at once
     max_queue: int = 256  # requests waiting for a slot; beyond it RESOURCE_EXHAUSTED
+    # Refuse at once (RESOURCE_EXHAUSTED / 429 with a retry-after) a request whose predicted time
+    # to first token exceeds this many seconds (router/slo.py). None = queue everything.
+    admit_ttft_slo_s: float | None = None
     # Prompts shorter than this prefill on the decode worker: a KV transfer costs more than
     # recomputing a few tokens. 0 = always disaggregate when prefill workers exist.
     local_prefill_threshold: int = 0
@@ -54,5 +57,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
+        if self.admit_ttft_slo_s is not None and not self.admit_ttft_slo_s > 0:
+            raise ValueError(f"admit_ttft_slo_s must be positive, got {self.admit_ttft_slo_s}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")

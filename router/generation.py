@@ -35,6 +35,7 @@ from router.flow import FlowTimings, TokenEvent, remaining, run_flow
 from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill, prefix_key
 from router.registry import Worker, WorkerRegistry
+from router.slo import Overloaded, PrefillMeter, TtftAdmission
 from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
 from router.validation import check_model, validate_prompt, validate_sampling
 from splitserve.roles import Role
@@ -85,6 +86,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.served_model = served_model
         self.model_names = frozenset({served_model, *cfg.model_aliases})
         self.admission = Admission(cfg.max_concurrency, cfg.max_queue)
+        self.prefill_meter = meter = PrefillMeter()
+        metrics.prefill_rate.labels(metrics.model).set_function(lambda: meter.rate() or 0.0)
+        metrics.pending_prompt_tokens.labels(metrics.model).set_function(lambda: meter.pending)
+        self.ttft_admission = (TtftAdmission(cfg.admit_ttft_slo_s)
+                               if cfg.admit_ttft_slo_s is not None else None)
         self.rng = random.Random()
 
     # -- RPCs ---------------------------------------------------------------------------------
@@ -141,7 +147,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     await emit(chunk)
         except RequestFailed as e:
             trace.finish(e.outcome)
-            await context.abort(e.code, str(e))
+            await context.abort(e.code, str(e), trailing_metadata=e.grpc_trailers()
+                                if isinstance(e, Overloaded) else ())
         except asyncio.CancelledError:
             trace.finish(cancelled_outcome(context.time_remaining()))
             raise
@@ -203,10 +210,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             timeout - DEADLINE_MARGIN_S, 0.0)
         rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
         ids, sp, stops = self.prepare(request)
+        if self.ttft_admission is not None:
+            self.ttft_admission.check(self.prefill_meter, len(ids))
         m = self.metrics
+        meter, n_prompt = self.prefill_meter, len(ids)
+        meter.start(n_prompt)
+        answered = False
         m.waiting.labels(m.model).inc()
         try:
             await self.admission.acquire()
+        except BaseException:
+            meter.abandoned(n_prompt)
+            raise
         finally:
             m.waiting.labels(m.model).dec()
         m.running.labels(m.model).inc()
@@ -221,6 +236,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             flow = self._migrating(rid, ids, sp, request.local_prefill, deadline, timings, trace)
             try:
                 async for ev in flow:
+                    if not answered and ev.token_ids:
+                        answered = True
+                        meter.answered(n_prompt)
                     n_out += len(ev.token_ids)
                     trace.tokens(len(ev.token_ids))
                     text = ""
@@ -247,6 +265,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             finally:
                 await flow.aclose()  # cancels the decode RPC when we stopped early
         finally:
+            if not answered:
+                meter.abandoned(n_prompt)
             m.running.labels(m.model).dec()
             self.admission.release()
 

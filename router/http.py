@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from router.errors import InvalidArgument, RequestFailed
 from router.generation import GenerationService
+from router.slo import Overloaded
 from splitserve.credentials import matches
 from splitserve.v1 import common_pb2, generation_pb2
 
@@ -34,12 +35,14 @@ FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_ST
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error", code: str | None = None) -> None:
+                 kind: str = "invalid_request_error", code: str | None = None,
+                 headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.param, self.kind, self.code = status, param, kind, code
+        self.headers = headers
 
     def response(self) -> JSONResponse:
-        return JSONResponse(status_code=self.status, content={"error": {
+        return JSONResponse(status_code=self.status, headers=self.headers, content={"error": {
             "message": str(self), "type": self.kind, "param": self.param, "code": self.code}})
 
 
@@ -300,7 +303,8 @@ async def _guard(chunks: AsyncIterator, trace) -> AsyncIterator:
     except RequestFailed as e:
         trace.finish(e.outcome)
         raise ApiError(e.http_status, str(e), kind="invalid_request_error"
-                       if e.http_status == 400 else "server_error") from e
+                       if e.http_status == 400 else "server_error",
+                       headers=e.http_headers() if isinstance(e, Overloaded) else None) from e
     except (asyncio.CancelledError, GeneratorExit):
         trace.finish("cancelled")  # the HTTP client went away
         raise

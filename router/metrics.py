@@ -54,6 +54,13 @@ class RouterMetrics:
                              labels, registry=registry)
         self.waiting = Gauge("splitserve:num_requests_waiting", "Requests queued for a slot",
                              labels, registry=registry)
+        # What SLO-aware admission predicts from (router/slo.py); kept with or without it.
+        self.prefill_rate = Gauge("splitserve:prefill_tokens_per_second",
+                                  "Prompt tokens answered with a first token per busy second "
+                                  "(recent requests)", labels, registry=registry)
+        self.pending_prompt_tokens = Gauge("splitserve:pending_prompt_tokens",
+                                           "Prompt tokens admitted, first token not yet sent",
+                                           labels, registry=registry)
         self.workers = Gauge("splitserve:workers", "Live workers by role", [*labels, "role"],
                              registry=registry)
         # Export zeros: rate() and the dashboard work from the first request on.
