@@ -59,6 +59,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host", default="127.0.0.1", help="address peers use for KV transfer")
     g.add_argument("--kv-lease-s", type=float, default=30.0)
     g.add_argument("--kv-timeout-s", type=float, default=10.0)
+    g.add_argument("--kv-load", choices=["async", "sync"], default="async",
+                   help="decode side: async pulls beside the engine's steps; sync pulls in the "
+                        "step that schedules the request (its second token a step sooner, the "
+                        "batch waiting for the pull)")
     g.add_argument("--kv-transport", choices=["auto", "pair"], default="auto",
                    help="auto: KV between workers on one host through shared memory, across "
                         "hosts over the pair channel (torch.distributed); pair: always the "
@@ -76,7 +80,8 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
              if a.max_num_batched_tokens else []),
            "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
            a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s),
-           "--kv-transport", a.kv_transport, "--kv-max-connections", str(a.kv_max_connections)]
+           "--kv-transport", a.kv_transport, "--kv-load", a.kv_load,
+           "--kv-max-connections", str(a.kv_max_connections)]
     return out  # the KV secret travels in the environment (deploy/local.py), never in argv
 
 
@@ -90,7 +95,7 @@ def _worker(role: Role):
 
         kv = ConnectorSettings(host=a.kv_host, lease_s=a.kv_lease_s, timeout_s=a.kv_timeout_s,
                                secret=sec.kv_secret_of(a), max_connections=a.kv_max_connections,
-                               transport=a.kv_transport)
+                               transport=a.kv_transport, load=a.kv_load)
         token = sec.cluster_token_of(a)
         sec.require_on_network(a.host, f"a {role} worker", token, "a cluster credential "
                                "($SPLITSERVE_CLUSTER_TOKEN or --cluster-token-file)")

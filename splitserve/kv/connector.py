@@ -11,7 +11,9 @@ Request lifecycle, producer (prefill) engine, params `produce_params(transfer_id
   A request that stopped on EOS, was aborted or errored will not be decoded: blocks freed at once.
 Request lifecycle, consumer (decode) engine, params `ticket.to_vllm()`:
   get_num_new_matched_tokens: the producer's tokens beyond our own prefix-cache hit are external,
-  loaded asynchronously → update_state_after_alloc: queue a pull of exactly the blocks we lack
+  loaded asynchronously (or, with `load="sync"`, in the step that schedules the request, before
+  its forward pass; a failure then reports the blocks as invalid) → update_state_after_alloc:
+  queue a pull of exactly the blocks we lack
   (the tail of the producer's list) into our fresh blocks, clear the consume flag so that a
   recompute never pulls twice → worker pulls → finished_recving (failed_recving on error, and
   vLLM applies kv_load_failure_policy: "fail" ends the request, "recompute" prefills locally).
@@ -120,6 +122,7 @@ class SplitServeConnector(KVConnectorBase_V1):
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._last_meta: KVConnectorMetadata | None = None
+        self._load_errors: set[int] = set()  # blocks of failed in-step loads, for vLLM
 
     # ===================================== scheduler half ====================================
     def _ticket(self, request: Request) -> KVTicket | None:
@@ -135,7 +138,7 @@ class SplitServeConnector(KVConnectorBase_V1):
         if ticket is None:
             return 0, False
         count = _claimable(request, ticket) - num_computed_tokens
-        return (count, True) if count > 0 else (0, False)
+        return (count, self.settings.load == "async") if count > 0 else (0, False)
 
     def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks,
                                  num_external_tokens: int) -> None:
@@ -148,8 +151,16 @@ class SplitServeConnector(KVConnectorBase_V1):
             return
         # Our fresh blocks hold the tail of the claimed range (the head is our prefix-cache
         # hit), so they pair with the tail of the producer's blocks up to the claimed end.
-        local = blocks.get_unhashed_block_ids()
-        end = -(-_claimable(request, ticket) // self.block_size)
+        claimable = _claimable(request, ticket)
+        end = -(-claimable // self.block_size)
+        sync = self.settings.load == "sync"
+        if sync:
+            # Blocks loaded in the step are cached (hashed) at allocation, so "unhashed" does
+            # not name them: take them by position, from the end of our own prefix hit.
+            start = (claimable - num_external_tokens) // self.block_size
+            local = blocks.get_block_ids()[0][start:end]
+        else:
+            local = blocks.get_unhashed_block_ids()
         remote = list(ticket.block_ids[max(end - len(local), 0):end])
         if len(remote) != len(local):
             log.error("request %s: %d fresh blocks but the producer holds only %d to match",
@@ -157,7 +168,7 @@ class SplitServeConnector(KVConnectorBase_V1):
         corrupt = (self.settings.allow_fault_injection
                    and request.kv_transfer_params.get("fault") == "corrupt")
         self._to_pull.append(PullJob(request.request_id, ticket, list(local)[:len(remote)],
-                                     remote, corrupt))
+                                     remote, corrupt, sync=sync))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = SplitServeMeta(hold=self._to_hold, pull=self._to_pull, release=self._to_release)
@@ -229,7 +240,10 @@ class SplitServeConnector(KVConnectorBase_V1):
             self.producer.hold(h.transfer_id, h.req_id, h.block_ids)
         for job in meta.pull:
             assert self.consumer is not None
-            self.consumer.submit(job)
+            if not job.sync:
+                self.consumer.submit(job)
+            elif not self.consumer.load_now(job):
+                self._load_errors.update(job.local_block_ids)
         for ticket in meta.release:
             assert self.consumer is not None
             self.consumer.release(ticket)
@@ -257,6 +271,11 @@ class SplitServeConnector(KVConnectorBase_V1):
                 out.finished_recving.add(r.req_id)
                 if not r.ok:
                     out.failed_recving.add(r.req_id)
+        return out
+
+    def get_block_ids_with_load_errors(self) -> set[int]:
+        """In-step loads that failed: vLLM recomputes (or fails) what those blocks held."""
+        out, self._load_errors = self._load_errors, set()
         return out
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:

@@ -66,6 +66,7 @@ class PullJob:
     local_block_ids: list[int]
     remote_block_ids: list[int]  # same length, position for position; a subset of the ticket's
     corrupt: bool = False  # fault injection (tests): flip the received bytes
+    sync: bool = False  # loaded inside the engine step (`load_now`), not by the pool
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,6 +140,20 @@ class Consumer:
     # -- called from the connector's worker half (engine thread) -----------------------------
     def submit(self, job: PullJob) -> None:
         self._pool.submit(self._run, job)
+
+    def load_now(self, job: PullJob) -> bool:
+        """Pull `job` on the calling thread (the engine's, before a forward pass that reads the
+        blocks); False when it failed, and the caller reports the blocks as not loaded."""
+        t0 = time.perf_counter()
+        try:
+            nbytes, shm = self._pull(job)
+        except Exception as e:
+            self.stats.record_failure()
+            log.warning("KV load for %s (transfer %s, in the step) failed: %s", job.req_id,
+                        job.ticket.transfer_id, e)
+            return False
+        self.stats.record_transfer(nbytes, time.perf_counter() - t0, shm)
+        return True
 
     def release(self, ticket: KVTicket) -> None:
         """Tell the producer we will not pull (best effort; its lease is the net)."""

@@ -294,7 +294,7 @@ class Producer:
         else:
             where = {b: i for i, b in enumerate(held)}
             snap = blocks.staging_view(snapshot, self._kv, len(held))
-            pos = torch.tensor([where[b] for b in want], device=snap.device)
+            pos = torch.tensor([where[b] for b in want], dtype=torch.long, device=snap.device)
             torch.index_select(snap, 1, pos, out=out)
         return raw
 

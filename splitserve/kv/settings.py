@@ -12,6 +12,7 @@ from typing import Any
 
 HOLD_MODES = ("auto", "copy", "blocks")
 TRANSPORTS = ("auto", "pair")
+LOADS = ("async", "sync")
 KV_SECRET_ENV = "SPLITSERVE_KV_SECRET"
 
 
@@ -41,12 +42,19 @@ class ConnectorSettings:
     # "auto": through shared memory when both ends see the same /dev/shm (one host; CPU caches),
     # else the pair channel; "pair": always the pair channel. Either side can refuse shm.
     transport: str = "auto"
+    # consumer: "async" pulls beside the engine's steps and schedules the request once the KV
+    # has landed (a step or two later; a slow producer delays nobody else); "sync" pulls in the
+    # engine step that first schedules the request, before its forward pass (the second token
+    # one step sooner; the whole batch waits for the pull, a stalled producer up to timeout_s).
+    load: str = "async"
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
     status_file: str | None = None
 
     def __post_init__(self) -> None:
         if self.hold not in HOLD_MODES:
             raise ValueError(f"hold must be one of {HOLD_MODES}, got {self.hold!r}")
+        if self.load not in LOADS:
+            raise ValueError(f"load must be one of {LOADS}, got {self.load!r}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.lease_s <= 0 or self.timeout_s <= 0:

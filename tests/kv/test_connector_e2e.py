@@ -53,6 +53,8 @@ class Cluster(EngineSet):
                               kv_settings=replace(kv, allow_fault_injection=True)),
             "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
                                kv_failure_policy="fail", kv_settings=kv),
+            "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="DS",
+                               kv_settings=replace(kv, load="sync", allow_fault_injection=True)),
             "C": EngineConfig(**base),
         })
 
@@ -77,25 +79,47 @@ def no_leaks(cluster: Cluster):
     cluster.assert_idle()
 
 
-def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluster) -> None:
+# D loads asynchronously (beside the engine's steps), DS in the step that schedules the request,
+# before its forward pass reads the blocks (a race there would show as wrong tokens).
+LOADS = pytest.mark.parametrize("consumer", ["D", "DS"], ids=["async-load", "in-step-load"])
+
+
+@LOADS
+def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluster,
+                                                                 consumer: str) -> None:
     prompts = make_prompts(Path(cluster.model), GOLDEN_LENGTHS, seed=1)
     want = cluster.run(engine_greedy(cluster.C, prompts, MAX_TOKENS))
 
     async def all_disagg():
         return await asyncio.gather(*(
-            disagg_greedy(cluster.P, cluster.D, ids, MAX_TOKENS, f"gold{i}")
+            disagg_greedy(cluster.P, cluster.engines[consumer], ids, MAX_TOKENS,
+                          f"gold-{consumer}{i}")
             for i, ids in enumerate(prompts)))
 
-    before = cluster.monitors["D"].snapshot().transfers
+    before = cluster.monitors[consumer].snapshot().transfers
     got = cluster.run(all_disagg())
     for n, w, (g, _) in zip(GOLDEN_LENGTHS, want, got):
         assert g == w, f"{n}-token prompt: disaggregated {g} != colocated {w}"
-    # Every prompt pulled its KV (D computes only the first generated token's KV itself), and
-    # on one host through shared memory (the pair channel's golden run: tests/kv/test_fp8.py).
-    pulled = cluster.monitors["D"].snapshot().transfers
+    # Every prompt pulled its KV (the consumer computes only the first generated token's KV
+    # itself), and on one host through shared memory (the pair channel's golden run with real
+    # engines: tests/kv/test_fp8.py).
+    pulled = cluster.monitors[consumer].snapshot().transfers
     assert pulled.transfers - before.transfers == len(GOLDEN_LENGTHS)
     assert pulled.shm_transfers - before.shm_transfers == len(GOLDEN_LENGTHS)
     assert pulled.failures == 0 and pulled.bytes > 0
+
+
+def test_a_failed_in_step_load_is_recomputed(cluster: Cluster) -> None:
+    """The pull is refused (a transfer the producer never held): the connector reports the
+    blocks as not loaded, vLLM recomputes them, and the answer is still right."""
+    (ids,) = make_prompts(Path(cluster.model), [260], seed=13)
+    want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
+    failures = cluster.monitors["DS"].snapshot().transfers.failures
+    tokens, reason = cluster.run(disagg_greedy(
+        cluster.P, cluster.DS, ids, MAX_TOKENS, "sync-nohold",
+        rewrite=lambda t: replace(t, transfer_id="never-held")))
+    assert tokens == want and reason == "length"
+    assert cluster.monitors["DS"].snapshot().transfers.failures == failures + 1
 
 
 def test_consumer_prefix_cache_hit_shrinks_the_pull(cluster: Cluster) -> None:
@@ -113,13 +137,16 @@ def test_consumer_prefix_cache_hit_shrinks_the_pull(cluster: Cluster) -> None:
     assert b1 > 0 and b2 * 3 == b1
 
 
-def test_kv_really_travels_corrupted_bytes_change_the_output(cluster: Cluster) -> None:
+@LOADS
+def test_kv_really_travels_corrupted_bytes_change_the_output(cluster: Cluster,
+                                                             consumer: str) -> None:
+    d = cluster.engines[consumer]
     (ids,) = make_prompts(Path(cluster.model), [200], seed=3)
     want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
-    clean = cluster.run(disagg_greedy(cluster.P, cluster.D, ids, MAX_TOKENS, "clean"))[0]
+    clean = cluster.run(disagg_greedy(cluster.P, d, ids, MAX_TOKENS, f"clean-{consumer}"))[0]
     (ids2,) = make_prompts(Path(cluster.model), [200], seed=4)  # no prefix-cache help
     want2 = cluster.run(engine_greedy(cluster.C, [ids2], MAX_TOKENS))[0]
-    bad = cluster.run(disagg_greedy(cluster.P, cluster.D, ids2, MAX_TOKENS, "bad",
+    bad = cluster.run(disagg_greedy(cluster.P, d, ids2, MAX_TOKENS, f"bad-{consumer}",
                                     decode_params={"fault": "corrupt"}))[0]
     assert clean == want
     assert bad[0] == want2[0]  # the first token comes from the prefill engine
