@@ -104,6 +104,7 @@ class _Peer:
         self.host, self.port = host, port
         self.lock = threading.Lock()
         self.conn: _Conn | None = None
+        self.shm_ok = True  # False once /dev/shm had no room: the pair channel from then on
 
     def drop(self) -> None:  # caller holds `lock`
         if self.conn is not None:
@@ -191,13 +192,23 @@ class Consumer:
         peer = self._peer(tk)
         with peer.lock:
             conn = self._connected(peer, tk)
+            n = len(job.local_block_ids)
+            want = blocks.staging_bytes(self._kv, n)
+            if conn.shm is not None:
+                try:
+                    conn.shm.buffer(want)
+                except OSError as e:
+                    log.warning("no room in /dev/shm for a %d-byte KV segment (%s): transfers "
+                                "from %s:%d take the pair channel from now on", want, e,
+                                peer.host, peer.port)
+                    peer.shm_ok = False
+                    peer.drop()
+                    conn = self._connected(peer, tk)
             if tk.spec_fingerprint and tk.spec_fingerprint != self._spec.fingerprint():
                 # The handshake passed, so this producer's cache matches ours: the ticket was
                 # issued by another incarnation at this address. Its block ids mean nothing here.
                 raise IncompatiblePeer(f"ticket {tk.transfer_id} names a KV cache with spec "
                                        f"{tk.spec_fingerprint}, ours is {self._spec.fingerprint()}")
-            n = len(job.local_block_ids)
-            want = blocks.staging_bytes(self._kv, n)
             try:
                 tag = next(self._tags)
                 msg = {"op": "pull", "transfer_id": tk.transfer_id,
@@ -252,10 +263,10 @@ class Consumer:
     def _connected(self, peer: _Peer, tk: KVTicket) -> _Conn:
         """The peer's connection, made now if it has none (caller holds `peer.lock`)."""
         if peer.conn is None:
-            peer.conn = self._connect(peer.host, peer.port, tk.engine_id)
+            peer.conn = self._connect(peer.host, peer.port, tk.engine_id, peer.shm_ok)
         return peer.conn
 
-    def _connect(self, host: str, port: int, engine_id: str | None) -> _Conn:
+    def _connect(self, host: str, port: int, engine_id: str | None, shm_ok: bool) -> _Conn:
         assert self._spec is not None
         s = self.settings
         try:
@@ -263,7 +274,12 @@ class Consumer:
         except OSError as e:
             raise TransferError(f"cannot reach KV producer at {host}:{port}: {e}") from e
         device = next(iter(self._kv.values())).device
-        shm = ConsumerStaging() if s.shares_memory(device.type) else None
+        shm = None
+        if shm_ok and s.shares_memory(device.type):
+            try:
+                shm = ConsumerStaging()
+            except OSError as e:
+                log.warning("no shared-memory KV segment (%s): the pair channel", e)
         try:
             first = recv_msg(sock)
             if first.get("op") != "challenge" or not isinstance(first.get("challenge"), str):

@@ -61,8 +61,19 @@ class Segment:
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
+        """A new segment of at least `nbytes`; OSError (ENOSPC) when /dev/shm has no room.
+
+        Its pages are reserved now: a tmpfs that is too small (a container's default /dev/shm
+        is 64 MiB) would otherwise accept the size and kill whoever first touches a page
+        beyond its room with SIGBUS."""
         shm = shared_memory.SharedMemory(name=PREFIX + uuid.uuid4().hex[:24], create=True,
                                          size=max(nbytes, MIN_BYTES))
+        try:
+            os.posix_fallocate(shm._fd, 0, shm.size)
+        except OSError:
+            shm.close()
+            shm.unlink()
+            raise
         return cls(shm.name, shm.buf, shm)
 
     @classmethod
@@ -123,6 +134,7 @@ class ConsumerStaging:
         return {"name": self.segment.name, "nonce": self.nonce}
 
     def buffer(self, nbytes: int) -> Segment:
+        """A segment of at least `nbytes`; OSError when /dev/shm cannot hold a bigger one."""
         seg = self.segment
         if seg.size < nbytes:
             new = Segment.create(max(nbytes, 2 * seg.size))

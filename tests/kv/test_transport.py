@@ -157,6 +157,40 @@ def test_a_producer_that_cannot_share_memory_gets_the_pair_channel(producers, co
         assert torch.equal(c.caches[name][[3, 4]].view(torch.uint8), want.view(torch.uint8))
 
 
+def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, consumers,
+                                                                  monkeypatch) -> None:
+    """A container's /dev/shm is often 64 MiB. A segment that does not fit is refused when its
+    pages are reserved (not by SIGBUS on first touch), and the pull goes over the pair channel,
+    as does every later one to that producer."""
+    import errno
+    import os
+
+    real = os.posix_fallocate
+
+    def small_tmpfs(fd: int, offset: int, length: int) -> None:
+        if length > shm.MIN_BYTES:  # room for the first segment only
+            raise OSError(errno.ENOSPC, "No space left on device")
+        real(fd, offset, length)
+
+    monkeypatch.setattr(os, "posix_fallocate", small_tmpfs)
+    p = producers(num_blocks=64)
+    c = consumers("auto", num_blocks=64)
+    block = 3 * 2 * 32 * 128 * 2  # 48 KiB: 40 blocks need a bigger segment than "fits"
+    for i, (n, local) in enumerate([(2, [50, 51]), (40, list(range(39, -1, -1))),
+                                    (3, [60, 61, 62])]):
+        ids = list(range(n))
+        p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)
+        assert pull(c, p, f"t{i}", ids, local).ok
+    assert 40 * block > shm.MIN_BYTES
+    for name, want in p.expected(list(range(40))).items():
+        assert torch.equal(c.caches[name][list(range(39, -1, -1))].view(torch.uint8),
+                           want.view(torch.uint8))
+    (peer,) = c._peers.values()
+    assert peer.conn.shm is None and peer.conn.chan is not None
+    assert c.stats.total.transfers == 3 and c.stats.total.shm_transfers == 1
+    assert shm.leftover_segments() == []
+
+
 def test_a_forged_segment_offer_is_not_taken(producers) -> None:
     """The producer takes the path only if it reads the offer's nonce in the named segment."""
     from splitserve.kv.shm import ConsumerStaging, ProducerAttachment
