@@ -67,10 +67,12 @@ class Cluster(EngineSet):
 
 @pytest.fixture(scope="module")
 def cluster(tiny_model_dir: Path):
+    before = set(shm.leftover_segments())  # a session cluster's workers may hold their own
     c = Cluster(tiny_model_dir)
     yield c
     c.close()
-    assert shm.leftover_segments() == []  # the consumers unlinked their segments at shutdown
+    # The consumers unlinked their segments at shutdown.
+    assert set(shm.leftover_segments()) <= before
 
 
 @pytest.fixture(autouse=True)
