@@ -145,16 +145,7 @@ class Consumer:
     def load_now(self, job: PullJob) -> bool:
         """Pull `job` on the calling thread (the engine's, before a forward pass that reads the
         blocks); False when it failed, and the caller reports the blocks as not loaded."""
-        t0 = time.perf_counter()
-        try:
-            nbytes, shm = self._pull(job)
-        except Exception as e:
-            self.stats.record_failure()
-            log.warning("KV load for %s (transfer %s, in the step) failed: %s", job.req_id,
-                        job.ticket.transfer_id, e)
-            return False
-        self.stats.record_transfer(nbytes, time.perf_counter() - t0, shm)
-        return True
+        return self._load(job) is None
 
     def release(self, ticket: KVTicket) -> None:
         """Tell the producer we will not pull (best effort; its lease is the net)."""
@@ -167,18 +158,22 @@ class Consumer:
 
     # -- pool threads ------------------------------------------------------------------------
     def _run(self, job: PullJob) -> None:
+        error = self._load(job)  # any failure must still come back as a result
+        self._finish(LoadResult(job.req_id, error is None, job.local_block_ids, error))
+
+    def _load(self, job: PullJob) -> str | None:
+        """One pull, counted in the stats; the error, or None when the blocks are loaded."""
         t0 = time.perf_counter()
         tk = job.ticket
         try:
             nbytes, shm = self._pull(job)
-        except Exception as e:  # any failure must still come back as a result
+        except Exception as e:
             self.stats.record_failure()
             log.warning("KV load for %s (transfer %s from %s:%d) failed: %s", job.req_id,
                         tk.transfer_id, tk.host, tk.port, e)
-            self._finish(LoadResult(job.req_id, False, job.local_block_ids, str(e)))
-        else:
-            self.stats.record_transfer(nbytes, time.perf_counter() - t0, shm)
-            self._finish(LoadResult(job.req_id, True, job.local_block_ids))
+            return str(e)
+        self.stats.record_transfer(nbytes, time.perf_counter() - t0, shm)
+        return None
 
     def _finish(self, result: LoadResult) -> None:
         with self._results_lock:
