@@ -136,6 +136,7 @@ def _router(a: argparse.Namespace) -> int:
         port=a.grpc_port, cluster_port=a.cluster_port, cluster_token=token, tls=sec.tls_of(a),
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
         admit_ttft_slo_s=a.admit_ttft_slo, local_prefill_threshold=a.local_prefill_threshold,
+        conditional_disaggregation=a.conditional_disaggregation,
         http_port=a.http_port, prefix_affinity=a.prefix_affinity,
         api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
         max_migrations=a.max_migrations,
@@ -177,6 +178,8 @@ def _up(a: argparse.Namespace) -> int:
                    "--http-port", str(a.http_port)]
     if a.admit_ttft_slo is not None:
         router_args += ["--admit-ttft-slo", str(a.admit_ttft_slo)]
+    if a.conditional_disaggregation:
+        router_args.append("--conditional-disaggregation")
     if a.model:  # requests may name the model as the user did (vLLM's tools send --model)
         router_args += ["--model-alias", a.model]
     for k in _LIMIT_FLAGS:
@@ -271,6 +274,10 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="refuse at once (gRPC RESOURCE_EXHAUSTED / HTTP 429, with a retry-after) "
                         "a request whose predicted time to first token exceeds this; default: "
                         "queue every request (up to --max-queue)")
+    p.add_argument("--conditional-disaggregation", action="store_true",
+                   help="decide per request whether to prefill on a prefill worker or on the "
+                        "decode worker, whichever adds less delay by live measurements "
+                        "(router/split.py); default: always on a prefill worker")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API, /metrics and /health (0: any free port)")
     from router.validation import RequestLimits

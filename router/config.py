@@ -30,6 +30,9 @@ class RouterConfig:
     # Prompts shorter than this prefill on the decode worker: a KV transfer costs more than
     # recomputing a few tokens. 0 = always disaggregate when prefill workers exist.
     local_prefill_threshold: int = 0
+    # Per request, prefill remotely or on the decode worker, whichever adds less delay by the
+    # router's live measurements (router/split.py). Off: always remote (within the threshold).
+    conditional_disaggregation: bool = False
     # Requests sharing a first KV block go to the same prefill and decode workers, within a
     # load bound (router/policy.py). Off: least queued prompt tokens / power of two choices.
     prefix_affinity: bool = True

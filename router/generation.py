@@ -36,6 +36,7 @@ from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill, prefix_key
 from router.registry import Worker, WorkerRegistry
 from router.slo import Overloaded, PrefillMeter, TtftAdmission
+from router.split import PrefillSplit
 from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
 from router.validation import check_model, validate_prompt, validate_sampling
 from splitserve.roles import Role
@@ -92,6 +93,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.ttft_admission = (TtftAdmission(cfg.admit_ttft_slo_s)
                                if cfg.admit_ttft_slo_s is not None else None)
         self.rng = random.Random()
+        self.split = PrefillSplit() if cfg.conditional_disaggregation else None
 
     # -- RPCs ---------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
@@ -283,6 +285,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         while True:
             prefill, decode = self.route(len(ids) + len(out), local, exclude=failed,
                                          prompt_ids=ids)
+            track = None
+            if self.split is not None:  # conditional disaggregation (router/split.py)
+                placement = self.split.place([*ids, *out], prefill, decode)
+                prefill = prefill if placement.remote else None
+                track = self.split.started(placement, prefill, decode)
             if not failed:
                 trace.admitted(len(ids), prefill is not None)
             flow = run_flow(rid, [*ids, *out], remaining(sp, len(out)), prefill, decode,
@@ -291,6 +298,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 async with contextlib.aclosing(flow):
                     async for ev in flow:
                         out += ev.token_ids
+                        if track is not None:
+                            track.tokens(len(ev.token_ids))
                         yield ev
                 return
             except WorkerFailed as e:
@@ -302,6 +311,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 self.metrics.migrations_m.inc()
                 log.warning("request %s: %s; migrating with %d of %d tokens generated", rid, e,
                             len(out), sp.max_tokens)
+            finally:
+                if track is not None:
+                    track.close()
 
     @staticmethod
     def _finish(chunk, finish: int, stop_reason: str | None, n_prompt: int, n_out: int,

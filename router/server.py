@@ -187,8 +187,11 @@ async def _track_health(service: GenerationService, h: health.aio.HealthServicer
                         metrics: RouterMetrics, stop: asyncio.Event) -> None:
     serving = None
     while not stop.is_set():
-        for role in Role:
-            metrics.workers.labels(metrics.model, role.value).set(len(service.registry.alive(role)))
+        alive = {role: service.registry.alive(role) for role in Role}
+        for role, workers in alive.items():
+            metrics.workers.labels(metrics.model, role.value).set(len(workers))
+        if service.split is not None:  # what it measured of departed workers goes with them
+            service.split.forget_except({w.worker_id for ws in alive.values() for w in ws})
         try:
             service.route(1 << 30, local=False)
             now = True

@@ -1,0 +1,242 @@
+"""Conditional disaggregation: per request, prefill on a prefill worker or on the decode worker.
+
+A remote prefill keeps the decode worker's steps free of the prompt's compute, but the request
+pays for it twice: it waits in the prefill pool's queue, and its KV has to reach the decode worker
+before the second token (the hand-off). A local prefill pays neither, but every request already
+decoding on that worker stalls while the prompt runs. Which is cheaper changes per request: a
+short prompt or an idle decode worker favours local, a long prompt next to a busy batch or an
+idle prefill pool favours remote, and a prefix one side already caches shrinks that side's work.
+
+The rule compares the delay each choice adds, in seconds (`Costs`), and takes the smaller:
+
+    remote = (prompt tokens queued on the prefill worker + the prompt's uncached part there)
+             / that worker's prefill rate  +  the hand-off
+    local  = (prompt tokens queued for local prefill on the decode worker + uncached part there)
+             / its prefill rate  +  (requests decoding there) x (uncached part / its rate)
+
+The last term is what the others lose: each request in the decode batch waits through the
+prefill. Every input is measured online by the router, as `splitserve plan` models a pool
+offline: each worker's prefill rate and queue (a `PrefillMeter` per worker, router/slo.py), the
+hand-off (first-to-second-token gap of remote requests beyond that of local ones), the decode
+batch (the router's own requests on the worker, or its heartbeat's running count if larger) and
+the prefixes each worker holds (`PrefixMemory`: the block hashes the router has sent it).
+Before a rate is known the same rule runs with every rate equal and no hand-off: a prompt goes
+local exactly when the decode worker has nothing to stall and nothing queued beyond what the
+prefill worker has. Ties go local (no transfer to pay for, nothing held on two workers).
+
+Off unless the router runs with `--conditional-disaggregation`; off, a prompt disaggregates
+unless it is shorter than `--local-prefill-threshold` or the request asks for a local prefill.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from router.registry import Worker
+from router.slo import PrefillMeter
+
+_DECAY = 0.9  # weight of the past in the hand-off estimates (about the last ten requests)
+_MAX_REMEMBERED = 65536  # block hashes kept per worker when it reports no KV capacity
+
+
+def block_hashes(prompt_ids: Sequence[int], block_size: int) -> list[bytes]:
+    """One digest per full KV block of the prompt, each covering everything before it too:
+    equal digests mean equal prefixes (vLLM's prefix cache matches whole blocks the same way)."""
+    if block_size <= 0:
+        return []
+    raw = array("I", prompt_ids).tobytes()
+    step = 4 * block_size
+    out, prev = [], b""
+    for start in range(0, len(raw) - step + 1, step):
+        prev = hashlib.blake2b(prev + raw[start:start + step], digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
+class PrefixMemory:
+    """The prompt blocks the router has sent each worker, oldest forgotten first: an estimate
+    of its prefix cache (vLLM evicts least recently used blocks too) bounded by its KV blocks."""
+
+    def __init__(self) -> None:
+        self._held: dict[str, OrderedDict[bytes, None]] = {}
+
+    def cached_blocks(self, worker_id: str, hashes: Sequence[bytes]) -> int:
+        """Leading blocks of a prompt (its `hashes`) the worker probably still holds."""
+        held = self._held.get(worker_id)
+        if not held:
+            return 0
+        n = 0
+        for h in hashes:
+            if h not in held:
+                break
+            n += 1
+        return n
+
+    def sent(self, w: Worker, hashes: Sequence[bytes]) -> None:
+        held = self._held.setdefault(w.worker_id, OrderedDict())
+        for h in hashes:
+            held[h] = None
+            held.move_to_end(h)
+        cap = w.capacity.total_kv_blocks or _MAX_REMEMBERED
+        while len(held) > cap:
+            held.popitem(last=False)
+
+    def forget_except(self, worker_ids: set[str]) -> None:
+        for gone in self._held.keys() - worker_ids:
+            del self._held[gone]
+
+
+@dataclass(frozen=True, slots=True)
+class Costs:
+    """What one request's prefill would add, in seconds (token units while rates are unknown)."""
+
+    remote: float
+    local: float
+
+    @property
+    def is_remote(self) -> bool:
+        return self.remote < self.local
+
+
+@dataclass(slots=True)
+class Placement:
+    """One request's decision, and what its prefill is measured against."""
+
+    remote: bool
+    prefill_tokens: int  # the uncached part of the prompt on the worker that prefills it
+    hashes: list[bytes]
+    costs: Costs | None = None  # None: not decided here (forced local, or no prefill pool)
+
+
+class _Gap:
+    """Decayed mean of the first-to-second-token gap."""
+
+    __slots__ = ("value",)
+
+    def __init__(self) -> None:
+        self.value: float | None = None
+
+    def add(self, s: float) -> None:
+        self.value = s if self.value is None else _DECAY * self.value + (1 - _DECAY) * s
+
+
+class PrefillSplit:
+    """Decides remote or local prefill per request, and learns from how requests went."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self.clock = clock
+        self.meters: dict[str, PrefillMeter] = {}
+        self.prefixes = PrefixMemory()
+        self._gap = {True: _Gap(), False: _Gap()}  # keyed by remote
+
+    def meter(self, w: Worker) -> PrefillMeter:
+        m = self.meters.get(w.worker_id)
+        if m is None:
+            m = self.meters[w.worker_id] = PrefillMeter(self.clock)
+        return m
+
+    def handoff_s(self) -> float:
+        """What a remote prefill adds between the first and second token over a local one."""
+        remote, local = self._gap[True].value, self._gap[False].value
+        if remote is None:
+            return 0.0
+        return max(remote - (local or 0.0), 0.0)
+
+    def _rate(self, w: Worker) -> float | None:
+        own = self.meter(w).rate()
+        if own is not None:
+            return own
+        # A worker not measured yet runs the same model: the mean of the ones measured.
+        known = [r for r in (m.rate() for m in self.meters.values()) if r is not None]
+        return sum(known) / len(known) if known else None
+
+    def costs(self, prompt_len: int, hashes: Sequence[bytes], block_size: int,
+              prefill: Worker, decode: Worker) -> Costs:
+        up = self._uncached(prompt_len, hashes, block_size, prefill)
+        ud = self._uncached(prompt_len, hashes, block_size, decode)
+        rp, rd = self._rate(prefill), self._rate(decode)
+        if rp is None or rd is None:  # equal rates, no hand-off: compare token counts
+            rp = rd = 1.0
+            handoff = 0.0
+        else:
+            handoff = self.handoff_s()
+        mp, md = self.meter(prefill), self.meter(decode)
+        batch = max(decode.inflight, decode.load.running)
+        return Costs(remote=(mp.pending + up) / rp + handoff,
+                     local=(md.pending + ud) / rd + batch * ud / rd)
+
+    def place(self, prompt_ids: Sequence[int], prefill: Worker | None,
+              decode: Worker) -> Placement:
+        """Where the prompt prefills; `prefill` None: local already (the request asked for it,
+        the prompt is under the threshold, or there is no prefill pool)."""
+        block_size = decode.capacity.block_size
+        hashes = block_hashes(prompt_ids, block_size)
+        if prefill is None:
+            return Placement(False, self._uncached(len(prompt_ids), hashes, block_size, decode),
+                             hashes)
+        c = self.costs(len(prompt_ids), hashes, block_size, prefill, decode)
+        target = prefill if c.is_remote else decode
+        return Placement(c.is_remote,
+                         self._uncached(len(prompt_ids), hashes, block_size, target), hashes, c)
+
+    def _uncached(self, prompt_len: int, hashes: Sequence[bytes], block_size: int,
+                  w: Worker) -> int:
+        cached = self.prefixes.cached_blocks(w.worker_id, hashes) * block_size
+        return max(prompt_len - cached, 1)  # vLLM always computes the last prompt token
+
+    def started(self, p: Placement, prefill: Worker | None, decode: Worker) -> Track:
+        """The request goes out as placed: its blocks will be on the workers that get them, and
+        its prefill counts as queued on the worker that runs it until its first token."""
+        if p.remote and prefill is not None:
+            self.prefixes.sent(prefill, p.hashes)
+        self.prefixes.sent(decode, p.hashes)  # pulled or prefilled there, cached either way
+        m = self.meter(prefill if p.remote and prefill is not None else decode)
+        m.start(p.prefill_tokens)
+        return Track(self, p, m)
+
+    def saw_gap(self, remote: bool, seconds: float) -> None:
+        """A request's first-to-second-token gap, by where it prefilled."""
+        self._gap[remote].add(seconds)
+
+    def forget_except(self, worker_ids: set[str]) -> None:
+        """Drop what is kept about workers that left."""
+        for gone in self.meters.keys() - worker_ids:
+            if self.meters[gone].pending <= 0:
+                del self.meters[gone]
+        self.prefixes.forget_except(worker_ids)
+
+
+class Track:
+    """One placed request's progress: the first token ends its prefill (the worker's meter
+    learns the rate), the second one measures the gap its placement caused."""
+
+    __slots__ = ("_split", "_placement", "_meter", "_first_at", "_open")
+
+    def __init__(self, split: PrefillSplit, placement: Placement, meter: PrefillMeter) -> None:
+        self._split, self._placement, self._meter = split, placement, meter
+        self._first_at: float | None = None
+        self._open = True  # until the gap is measured or the request leaves
+
+    def tokens(self, n: int) -> None:
+        if n <= 0 or not self._open:
+            return
+        now = self._split.clock()
+        if self._first_at is None:
+            self._first_at = now
+            self._meter.answered(self._placement.prefill_tokens)
+            self._open = n == 1  # a second token that came with the first leaves no gap
+            return
+        self._split.saw_gap(self._placement.remote, now - self._first_at)
+        self._open = False
+
+    def close(self) -> None:
+        """The request left these workers (finished, failed or cancelled)."""
+        if self._first_at is None:
+            self._meter.abandoned(self._placement.prefill_tokens)
+        self._first_at = self._first_at or 0.0
+        self._open = False
