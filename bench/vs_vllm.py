@@ -114,12 +114,9 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
             **{k: r[k] for k in METRICS[2:6]}}
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default="tiny", help="default: the generated tiny model")
-    ap.add_argument("--dtype", default="float32")
-    ap.add_argument("--rates", default="1,2")
-    ap.add_argument("--repeats", type=int, default=2)
+def workload_arguments(ap: argparse.ArgumentParser) -> None:
+    """The workload, SLO, drivers and engine sizes `drive` and `start_vllm` read (also
+    bench/goodput.py's)."""
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--input-len", type=int, default=1536)
     ap.add_argument("--output-len", type=int, default=128)
@@ -127,11 +124,20 @@ def main() -> None:
     ap.add_argument("--slo-ttft-ms", type=float, default=1000)
     ap.add_argument("--slo-tpot-ms", type=float, default=25)
     ap.add_argument("--drivers", default="vllm,splitserve")
-    ap.add_argument("--engine-cores", default="0", help="the engine's cores, for both")
     ap.add_argument("--kv-cache-mib", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--vllm-port", type=int, default=8100)
     ap.add_argument("--splitserve-port", type=int, default=8200)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="default: the generated tiny model")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--rates", default="1,2")
+    ap.add_argument("--repeats", type=int, default=2)
+    workload_arguments(ap)
+    ap.add_argument("--engine-cores", default="0", help="the engine's cores, for both")
     ap.add_argument("--seed", type=int, default=1000)
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write py-spy flame graphs (SVG) here")

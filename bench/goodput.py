@@ -1,0 +1,151 @@
+"""Goodput per engine: plain vLLM, 2 colocated, 1P+1D and conditional 1P+1D on one workload.
+
+The question disaggregation has to answer: on the same host, does it serve more requests within
+the SLOs per engine than the alternatives? Deployments, one at a time (started, swept, stopped):
+  vllm         vLLM's own OpenAI server, one engine on core 0 (bench/vs_vllm.py starts it)
+  colocated2   router + 2 colocated workers, an engine per core
+  1p1d         router + 1 prefill + 1 decode worker, an engine per core
+  conditional  the same 1p1d with `--conditional-disaggregation` (router/split.py)
+Every deployment gets the same fresh random prompts per (rate, driver): one seed each, so no
+prefix-cache help and one workload for all. Drivers: vLLM's `vllm bench serve` and `splitserve
+bench`, both against the OpenAI HTTP front.
+
+    python bench/goodput.py [--rates 2,3,4,6] [--num-prompts 40] [--deployments ...]
+                            [--drivers vllm,splitserve] [--json FILE]
+
+Prints, per driver and rate, each deployment's SLO attainment, TTFT/TPOT medians; then each
+deployment's goodput: the highest swept rate with >= --target attainment, and that per engine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+from bench.host import machine
+from bench.vs_vllm import drive, start_vllm, wait_http, workload_arguments
+from deploy.procs import ProcessSet
+from splitserve.models import resolve_model
+from splitserve.roles import Role
+
+# name: (engines' roles, router flags); "vllm" is plain vLLM, one engine.
+DEPLOYMENTS = {
+    "vllm": ([], []),
+    "colocated2": ([Role.COLOCATED, Role.COLOCATED], []),
+    "1p1d": ([Role.PREFILL, Role.DECODE], []),
+    "conditional": ([Role.PREFILL, Role.DECODE], ["--conditional-disaggregation"]),
+}
+
+
+def start(name: str, a: argparse.Namespace, model: str, procs: ProcessSet,
+          log_dir: Path) -> tuple[str, subprocess.Popen | None]:
+    """The deployment's OpenAI base URL (and vLLM's process, for plain vLLM)."""
+    if name == "vllm":
+        a.engine_cores = "0"
+        p = start_vllm(a, model, log_dir / "vllm.log")
+        url = f"http://127.0.0.1:{a.vllm_port}"
+        wait_http(url)
+        return url, p
+    roles, router_flags = DEPLOYMENTS[name]
+    router = procs.spawn("router", ["router", "--model", model, "--grpc-port", "0",
+                                    "--http-port", str(a.splitserve_port),
+                                    "--max-model-len", str(a.max_model_len), *router_flags])
+    procs.wait_ready([router], 120)
+    for i, role in enumerate(roles):
+        procs.spawn(f"{role}{i}", [
+            role.value, "--model", model, "--router", router.address, "--dtype", a.dtype,
+            "--max-model-len", str(a.max_model_len), "--kv-cache-mib", str(a.kv_cache_mib),
+            "--cpu-cores", str(i % a.cores)], role)
+    procs.wait_ready(timeout_s=900)
+    return router.endpoints["http"], None
+
+
+def stop(procs: ProcessSet, vllm: subprocess.Popen | None) -> None:
+    procs.stop(15)
+    if vllm is not None:
+        vllm.terminate()
+        try:
+            vllm.wait(30)
+        except subprocess.TimeoutExpired:
+            vllm.kill()
+
+
+def engines(name: str) -> int:
+    return len(DEPLOYMENTS[name][0]) or 1
+
+
+def goodput(rows: list[dict], dep: str, driver: str, target: float) -> float:
+    ok = [r["rate"] for r in rows if (r["deployment"], r["driver"]) == (dep, driver)
+          and r["attainment"] >= target]
+    return max(ok, default=0.0)
+
+
+def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: float) -> str:
+    lines = [f"{'driver':10} {'rate':>5} {'deployment':12} {'attain':>7} {'TTFT p50':>9} "
+             f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"]
+    for driver in drivers:
+        for rate in sorted({r["rate"] for r in rows}):
+            for dep in deps:
+                for r in rows:
+                    if (r["deployment"], r["driver"], r["rate"]) == (dep, driver, rate):
+                        lines.append(f"{driver:10} {rate:5g} {dep:12} {r['attainment']:7.0%} "
+                                     f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} "
+                                     f"{r['median_tpot_ms']:9.1f} {r['p99_tpot_ms']:9.1f}")
+    lines.append(f"\ngoodput at {target:.0%} attainment (req/s), and per engine; "
+                 "ratio = per engine / plain vLLM's per engine")
+    for driver in drivers:
+        base = goodput(rows, "vllm", driver, target) if "vllm" in deps else 0.0
+        for dep in deps:
+            g = goodput(rows, dep, driver, target)
+            per = g / engines(dep)
+            ratio = f"{per / base:.2f}x" if base else "n/a"
+            lines.append(f"{driver:10} {dep:12} goodput {g:5g}  per engine {per:5.2f}  {ratio}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", help="default: the generated tiny model")
+    ap.add_argument("--dtype", default="float32")
+    ap.add_argument("--deployments", default=",".join(DEPLOYMENTS))
+    ap.add_argument("--rates", default="2,3,4,6")
+    workload_arguments(ap)
+    ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--cores", type=int, default=2, help="cores the engines spread over")
+    ap.add_argument("--seed", type=int, default=2000)
+    ap.add_argument("--json", default=None)
+    a = ap.parse_args()
+    model = resolve_model(a.model)
+    deps, drivers = a.deployments.split(","), a.drivers.split(",")
+    rates = [float(r) for r in a.rates.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="splitserve-goodput-"))
+    rows: list[dict] = []
+    for dep in deps:
+        (tmp / dep).mkdir()
+        procs = ProcessSet(log_dir=tmp / dep)
+        url, vllm = None, None
+        try:
+            url, vllm = start(dep, a, model, procs, tmp)
+            for i, (driver, rate) in enumerate((d, r) for d in drivers for r in rates):
+                seed = a.seed + i  # the same prompts for every deployment
+                r = drive(driver, url, model, rate, seed, a, tmp / f"{dep}-{driver}-{rate}.json")
+                rows.append({"deployment": dep, "driver": driver, "rate": rate, "seed": seed,
+                             **r})
+                print(f"{dep:12} {driver:10} rate {rate:g} attainment {r['attainment']:.0%} "
+                      f"TTFT p50 {r['median_ttft_ms']:.0f} ms TPOT p50 "
+                      f"{r['median_tpot_ms']:.1f} ms", file=sys.stderr, flush=True)
+        finally:
+            stop(procs, vllm)
+    print(summarize(rows, deps, drivers, a.target))
+    if a.json:
+        Path(a.json).parent.mkdir(parents=True, exist_ok=True)
+        Path(a.json).write_text(json.dumps({"machine": machine(), "args": vars(a),
+                                            "rows": rows}, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
