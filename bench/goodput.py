@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 
 from bench.host import machine
-from bench.vs_vllm import drive, start_vllm, wait_http, workload_arguments
+from bench.vs_vllm import drive, start_vllm, stop_vllm, wait_http, workload_arguments
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
 from splitserve.roles import Role
@@ -45,7 +45,6 @@ def start(name: str, a: argparse.Namespace, model: str, procs: ProcessSet,
           log_dir: Path) -> tuple[str, subprocess.Popen | None]:
     """The deployment's OpenAI base URL (and vLLM's process, for plain vLLM)."""
     if name == "vllm":
-        a.engine_cores = "0"
         p = start_vllm(a, model, log_dir / "vllm.log")
         url = f"http://127.0.0.1:{a.vllm_port}"
         wait_http(url)
@@ -67,11 +66,7 @@ def start(name: str, a: argparse.Namespace, model: str, procs: ProcessSet,
 def stop(procs: ProcessSet, vllm: subprocess.Popen | None) -> None:
     procs.stop(15)
     if vllm is not None:
-        vllm.terminate()
-        try:
-            vllm.wait(30)
-        except subprocess.TimeoutExpired:
-            vllm.kill()
+        stop_vllm(vllm)
 
 
 def engines(name: str) -> int:
@@ -119,6 +114,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=2000)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    a.engine_cores = "0"  # plain vLLM's one engine (start_vllm reads it)
     model = resolve_model(a.model)
     deps, drivers = a.deployments.split(","), a.drivers.split(",")
     rates = [float(r) for r in a.rates.split(",")]

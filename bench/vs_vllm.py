@@ -70,6 +70,15 @@ def start_splitserve(a: argparse.Namespace, model: str, procs: ProcessSet) -> st
     return router.endpoints["http"]
 
 
+def stop_vllm(p: subprocess.Popen) -> None:
+    """vLLM's server and its engine (its own session: killed as a group if it will not stop)."""
+    p.terminate()
+    try:
+        p.wait(30)
+    except subprocess.TimeoutExpired:
+        os.killpg(p.pid, 9)
+
+
 def wait_http(url: str, timeout_s: float = 900.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
@@ -176,11 +185,7 @@ def main() -> None:
                               flush=True)
     finally:
         procs.stop(15)
-        vllm.terminate()
-        try:
-            vllm.wait(30)
-        except subprocess.TimeoutExpired:
-            os.killpg(vllm.pid, 9)
+        stop_vllm(vllm)
     table = summarize(rows)
     print(table)
     if a.json:

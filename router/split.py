@@ -155,10 +155,8 @@ class PrefillSplit:
         known = [r for r in (m.rate() for m in self.meters.values()) if r is not None]
         return sum(known) / len(known) if known else None
 
-    def costs(self, prompt_len: int, hashes: Sequence[bytes], block_size: int,
-              prefill: Worker, decode: Worker) -> Costs:
-        up = self._uncached(prompt_len, hashes, block_size, prefill)
-        ud = self._uncached(prompt_len, hashes, block_size, decode)
+    def costs(self, up: int, ud: int, prefill: Worker, decode: Worker) -> Costs:
+        """`up`, `ud`: the prompt's uncached tokens on the prefill and on the decode worker."""
         rp, rd = self._rate(prefill), self._rate(decode)
         if rp is None or rd is None:  # equal rates, no hand-off: compare token counts
             rp = rd = 1.0
@@ -179,10 +177,10 @@ class PrefillSplit:
         if prefill is None:
             return Placement(False, self._uncached(len(prompt_ids), hashes, block_size, decode),
                              hashes)
-        c = self.costs(len(prompt_ids), hashes, block_size, prefill, decode)
-        target = prefill if c.is_remote else decode
-        return Placement(c.is_remote,
-                         self._uncached(len(prompt_ids), hashes, block_size, target), hashes, c)
+        up = self._uncached(len(prompt_ids), hashes, block_size, prefill)
+        ud = self._uncached(len(prompt_ids), hashes, block_size, decode)
+        c = self.costs(up, ud, prefill, decode)
+        return Placement(c.is_remote, up if c.is_remote else ud, hashes, c)
 
     def _uncached(self, prompt_len: int, hashes: Sequence[bytes], block_size: int,
                   w: Worker) -> int:
@@ -236,7 +234,6 @@ class Track:
 
     def close(self) -> None:
         """The request left these workers (finished, failed or cancelled)."""
-        if self._first_at is None:
+        if self._open and self._first_at is None:  # never answered (and not closed before)
             self._meter.abandoned(self._placement.prefill_tokens)
-        self._first_at = self._first_at or 0.0
         self._open = False
