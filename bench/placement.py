@@ -1,13 +1,18 @@
 """Where splitserve's serving processes should run on a small host: measured, not guessed.
 
 One colocated-1 deployment (as bench/vs_vllm.py starts it: engine on --engine-cores), driven by
-`vllm bench serve` at one rate; between drives the router's and the worker server's threads (not
-the engine's) are re-placed, the order rotating each round:
-  free          all cores, the scheduler's choice
-  pinned        the cores the engine does not use (what `splitserve up` does, deploy/placement.py)
-  niced         all cores at nice +10, so the engine wins every contended slice
+`vllm bench serve` at one rate; between drives the router's and the worker server's threads, and
+vLLM's EngineCore process (the scheduler between the worker server and its model runner, which
+spins while it waits for a step), are re-placed, the order rotating each round:
+  free          serving processes on all cores, the scheduler's choice; EngineCore as vLLM left it
+  pinned        serving processes on the cores the engine does not use; EngineCore as left
+  niced         serving processes on all cores at nice +10, so the engine wins contended slices
+  core-niced    pinned, and the EngineCore at nice +10 (what `splitserve up` does,
+                deploy/placement.py)
+  core-beside   pinned, and the EngineCore on the engine's own cores, beside its model runner
 
     python bench/placement.py [--model DIR] [--rate 2] [--rounds 3] [--num-prompts 40]
+                              [--variants pinned,core-niced,core-beside]
 
 Prints each drive and the per-placement mean attainment and median TTFT/TPOT medians.
 """
@@ -21,7 +26,7 @@ import tempfile
 from pathlib import Path
 
 from bench.vs_vllm import drive, start_splitserve
-from deploy.placement import free_cores, place_threads
+from deploy.placement import ENGINE_CORE_NICE, engine_schedulers, free_cores, place_threads
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
 
@@ -33,6 +38,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--num-prompts", type=int, default=40)
     ap.add_argument("--seed", type=int, default=20000)
+    ap.add_argument("--variants", default="pinned,core-niced,core-beside")
     a = ap.parse_args()
     # The workload and engine settings of bench/vs_vllm.py.
     cfg = argparse.Namespace(engine_cores="0", dtype="float32", max_model_len=4096,
@@ -43,21 +49,32 @@ def main() -> None:
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-placement-"))
     procs = ProcessSet(log_dir=tmp)
     every = os.sched_getaffinity(0)
-    variants = {"free": (every, 0), "pinned": (free_cores([cfg.engine_cores]), 0),
-                "niced": (every, 10)}
-    if not variants["pinned"][0]:
+    spare = free_cores([cfg.engine_cores])
+    engine = every - spare
+    if not spare:
         raise SystemExit("needs a core the engine does not use")
+    # name: (serving cores, serving nice), (EngineCore cores, EngineCore nice)
+    known = {"free": ((every, 0), (every, 0)), "pinned": ((spare, 0), (every, 0)),
+             "niced": ((every, 10), (every, 0)),
+             "core-niced": ((spare, 0), (every, ENGINE_CORE_NICE)),
+             "core-beside": ((spare, 0), (engine, 0))}
+    variants = {k: known[k] for k in a.variants.split(",")}
     results: dict[str, list[dict]] = {k: [] for k in variants}
     try:
         url = start_splitserve(cfg, model, procs)
         pids = [p.popen.pid for p in procs.procs]
+        schedulers = engine_schedulers(pids)
         drive("vllm", url, model, a.rate, a.seed, cfg, tmp / "warm.json")  # not counted
         names = list(variants)
+        seed = a.seed
         for rnd in range(a.rounds):
-            for name in names[rnd % 3:] + names[:rnd % 3]:
-                place_threads(pids, *variants[name])
-                r = drive("vllm", url, model, a.rate, a.seed + 1 + len(results[name]) +
-                          rnd * 10, cfg, tmp / f"{name}-{rnd}.json")
+            for name in names[rnd % len(names):] + names[:rnd % len(names)]:
+                serving, core = variants[name]
+                place_threads(pids, *serving)
+                place_threads(schedulers, *core)
+                # A seed per drive: prompts seen before would be prefix-cache hits.
+                seed += 1
+                r = drive("vllm", url, model, a.rate, seed, cfg, tmp / f"{name}-{rnd}.json")
                 results[name].append(r)
                 print(f"round {rnd} {name:7} attainment {r['attainment']:.0%} TTFT p50 "
                       f"{r['median_ttft_ms']:.0f} p99 {r['p99_ttft_ms']:.0f} ms TPOT p50 "
