@@ -23,7 +23,9 @@ import grpc
 
 from bench.router_throughput import measure
 from bench.router_throughput import report as report_throughput
+from deploy.placement import pin_serving
 from deploy.procs import ProcessSet
+from splitserve.engine import spread_cores
 from splitserve.models import resolve_model
 from splitserve.roles import Role
 from splitserve.v1 import (
@@ -35,13 +37,14 @@ from splitserve.v1 import (
 )
 
 
-def timed(stream) -> tuple[float, float]:
-    """(TTFT, TPOT) of one streaming call. TPOT = (last - first token) / (tokens - 1): chunk
-    gaps alone would mislead, since several tokens can arrive in one chunk."""
+def timed(call) -> tuple[float, float]:
+    """(TTFT, TPOT) of one streaming call, started here (`call()` sends the request: the clock
+    starts before it). TPOT = (last - first token) / (tokens - 1): chunk gaps alone would
+    mislead, since several tokens can arrive in one chunk."""
     t0 = time.perf_counter()
     first = last = None
     n = 0
-    for chunk in stream:
+    for chunk in call():
         if chunk.token_ids:
             last = time.perf_counter()
             first = first or last
@@ -59,12 +62,14 @@ def main() -> None:
     model = resolve_model(a.model)
     cluster = ProcessSet()
     try:
-        w = cluster.spawn("worker", [Role.COLOCATED.value, "--model", model, "--metrics-port", "0"],
-                          Role.COLOCATED)
+        engine_core = spread_cores(0)
+        w = cluster.spawn("worker", [Role.COLOCATED.value, "--model", model, "--metrics-port", "0",
+                                     "--cpu-cores", engine_core], Role.COLOCATED)
         cluster.wait_ready([w], 300)
         r = cluster.spawn("router", ["router", "--model", model, "--grpc-port", "0",
                                      "--http-port", "0", "--static-colocated", w.address])
         cluster.wait_ready([r], 60)
+        pin_serving([w.popen.pid, r.popen.pid], [engine_core])  # as `splitserve up` places them
         results = run(w.address, r.address, a.requests, a.max_tokens)
     finally:
         cluster.stop(grace_s=10)
@@ -99,12 +104,12 @@ def run(worker: str, router: str, n: int, max_tokens: int) -> dict[str, dict[str
             if i % 2 == 0:
                 req = worker_pb2.DecodeRequest(request_id=f"b{i}", prompt_token_ids=prompt,
                                                sampling=sp)
-                ttft, tpot = timed(direct.Decode(req, timeout=60))
+                ttft, tpot = timed(lambda r=req: direct.Decode(r, timeout=60))
                 key = "direct"
             else:
                 req = generation_pb2.GenerateRequest(
                     token_ids=generation_pb2.TokenIds(ids=prompt), sampling=sp)
-                ttft, tpot = timed(via.Generate(req, timeout=60))
+                ttft, tpot = timed(lambda r=req: via.Generate(r, timeout=60))
                 key = "router"
             if i >= 2:
                 out[key]["ttft"].append(ttft)
