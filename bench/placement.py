@@ -7,8 +7,8 @@ spins while it waits for a step), are re-placed, the order rotating each round:
   free          serving processes on all cores, the scheduler's choice; EngineCore as vLLM left it
   pinned        serving processes on the cores the engine does not use; EngineCore as left
   niced         serving processes on all cores at nice +10, so the engine wins contended slices
-  core-niced    pinned, and the EngineCore at nice +10 (what `splitserve up` does,
-                deploy/placement.py)
+  core-niced    pinned, and the EngineCore at nice +10 (what every worker now does on CPU,
+                splitserve/engine_core.py)
   core-beside   pinned, and the EngineCore on the engine's own cores, beside its model runner
 
     python bench/placement.py [--model DIR] [--rate 2] [--rounds 3] [--num-prompts 40]
@@ -26,8 +26,9 @@ import tempfile
 from pathlib import Path
 
 from bench.vs_vllm import drive, start_splitserve
-from deploy.placement import ENGINE_CORE_NICE, engine_schedulers, free_cores, place_threads
+from deploy.placement import free_cores
 from deploy.procs import ProcessSet
+from splitserve.engine_core import ENGINE_CORE_NICE, engine_cores, place_threads
 from splitserve.models import resolve_model
 
 
@@ -63,7 +64,7 @@ def main() -> None:
     try:
         url = start_splitserve(cfg, model, procs)
         pids = [p.popen.pid for p in procs.procs]
-        schedulers = engine_schedulers(pids)
+        schedulers = engine_cores(pids)
         drive("vllm", url, model, a.rate, a.seed, cfg, tmp / "warm.json")  # not counted
         names = list(variants)
         seed = a.seed

@@ -25,7 +25,7 @@ from pathlib import Path
 import grpc
 
 from deploy.local_security import LocalSecurity
-from deploy.placement import ENGINE_CORE_NICE, pin_serving
+from deploy.placement import pin_serving
 from deploy.procs import Proc, ProcessSet
 from splitserve.credentials import bearer
 from splitserve.roles import Role
@@ -138,8 +138,7 @@ def up(cfg: UpConfig, run_until: Callable[[str, TLSConfig | None], bool] | None 
                              [cores(i) for i in range(len(roles))])
         if pinned and cfg.log_dir is None:  # a detail for those who asked for details
             say(f"router and worker servers pinned to core(s) "
-                f"{','.join(map(str, sorted(pinned)))}; engines keep their own (their "
-                f"schedulers at nice +{ENGINE_CORE_NICE})")
+                f"{','.join(map(str, sorted(pinned)))}; engines keep their own")
         http = endpoints.get("http")
         say(f"ready in {time.monotonic() - t0:.0f} s. gRPC: {address}"
             + (f"  OpenAI API: {http}/v1  metrics: {http}/metrics" if http else ""))

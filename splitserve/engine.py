@@ -17,6 +17,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from splitserve.engine_core import lower_engine_core
 from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.lifeline import ENGINE_PARENT_ENV
 from splitserve.models import stored_dtype
@@ -173,7 +174,10 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype,
              cfg.kv_role)
     loggers = [monitor.factory] if monitor is not None else None
-    return AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
+    engine = AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
+    if engine.vllm_config.device_config.device_type == "cpu":
+        lower_engine_core()  # its spin must not starve the servers (splitserve/engine_core.py)
+    return engine
 
 
 # How long vLLM may take to stop an engine before it kills the engine's processes. vLLM's own

@@ -128,6 +128,21 @@ def test_every_engine_holds_the_kv_blocks_the_memory_plan_predicts(cl,
     assert got and set(got.values()) == {want}, f"plan says {want} blocks, engines report {got}"
 
 
+def test_every_engine_core_runs_below_its_servers(cl) -> None:
+    """Each worker lowers its vLLM EngineCore (which spins while its runner computes) below the
+    servers' priority once the engine is up (splitserve/engine_core.py)."""
+    import os
+
+    from splitserve.engine_core import ENGINE_CORE_NICE, engine_cores
+
+    workers = [p for p in cl.procs if p.role]
+    cores = {p.name: engine_cores([p.popen.pid]) for p in workers}
+    assert workers and all(len(c) == 1 for c in cores.values()), cores
+    got = {name: os.getpriority(os.PRIO_PROCESS, pid) for name, (pid,) in cores.items()}
+    assert set(got.values()) == {ENGINE_CORE_NICE}, got
+    assert {os.getpriority(os.PRIO_PROCESS, p.popen.pid) for p in workers} == {0}
+
+
 def test_shared_prefixes_are_neither_prefilled_nor_pulled_twice(cl) -> None:
     """Groups of prompts sharing two KV blocks (256 tokens) and differing after them, sent one
     by one through router A (P0, P1, D0, D1). Each group's prompts must go to the prefill worker
