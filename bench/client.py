@@ -26,16 +26,19 @@ from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
 class GrpcTarget:
     def __init__(self, address: str, model: str = "", timeout_s: float = 600.0,
-                 detokenize: bool = False) -> None:
+                 detokenize: bool = False, stream_interval: int = 1) -> None:
         self.channel = grpc.aio.insecure_channel(address)
         self.stub = generation_pb2_grpc.GenerationStub(self.channel)
         self.model, self.timeout_s, self.detokenize = model, timeout_s, detokenize
+        self.stream_interval = stream_interval  # 1: ask nothing (the router's own applies)
 
     async def send(self, spec: RequestSpec) -> RequestResult:
         sp = common_pb2.SamplingParams(temperature=0.0, max_tokens=spec.output_len,
                                        min_tokens=spec.output_len, ignore_eos=True)
         req = generation_pb2.GenerateRequest(model=self.model, sampling=sp,
                                              skip_detokenize=not self.detokenize)
+        if self.stream_interval > 1:
+            req.sampling.stream_interval = self.stream_interval
         if spec.prompt_ids is not None:
             req.token_ids.ids.extend(spec.prompt_ids)
         else:
@@ -68,7 +71,7 @@ class HttpTarget:
     """POST /v1/completions with stream=true; SSE chunks are timed as they arrive."""
 
     def __init__(self, base_url: str, model: str, timeout_s: float = 600.0,
-                 api_key: str | None = None) -> None:
+                 api_key: str | None = None, stream_interval: int = 1) -> None:
         headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
         # TCP_NODELAY: httpx writes a POST's headers and body separately, and with Nagle on the
         # body waits for the server's delayed ACK: 40 ms added to every measured TTFT.
@@ -77,7 +80,7 @@ class HttpTarget:
             limits=httpx.Limits(max_connections=1024))
         self.client = httpx.AsyncClient(base_url=base_url.rstrip("/"), timeout=timeout_s,
                                         headers=headers, transport=transport)
-        self.model = model
+        self.model, self.stream_interval = model, stream_interval
 
     async def send(self, spec: RequestSpec) -> RequestResult:
         body = {"model": self.model, "max_tokens": spec.output_len, "min_tokens": spec.output_len,
@@ -85,6 +88,8 @@ class HttpTarget:
                 "stream_options": {"include_usage": True},
                 "prompt": list(spec.prompt_ids) if spec.prompt_ids is not None
                 else spec.prompt_text}
+        if self.stream_interval > 1:
+            body["stream_interval"] = self.stream_interval
         r = RequestResult(ok=False, start=time.perf_counter(), chunk_times=[], chunk_tokens=[],
                           end=0.0, prompt_tokens=max(spec.prompt_len, 0), output_tokens=0,
                           server={})

@@ -75,7 +75,7 @@ def main() -> None:
         cluster.stop(grace_s=10)
     rows = report(results, a)
     print()
-    throughput = measure(a.model, [1, 32], seconds=6.0, tokens_per_request=256)
+    throughput = measure(a.model, [1, 32], seconds=6.0, tokens_per_request=256, intervals=(1, 2))
     report_throughput(throughput)
     if a.json:
         rows["throughput"] = [t.row() for t in throughput]

@@ -8,7 +8,12 @@ from /proc) divided by the tokens it delivered is the cost per token; its invers
 one core relays per second. With two or more CPUs the router gets one to itself and the source and
 the clients share the others, so the clients' own cost does not count against it.
 
-    python -m bench.router_throughput [--concurrency 1 32] [--seconds 6]
+Nearly all of the cost is per message, not per token (gRPC's read and write, the event loop's
+wake-ups), so each configuration runs at every `--stream-interval` given: the requests' own
+`sampling.stream_interval`, which the source honours as an engine does (the first token alone,
+then batches of that many).
+
+    python -m bench.router_throughput [--concurrency 1 32] [--stream-interval 1 2] [--seconds 6]
 """
 
 from __future__ import annotations
@@ -33,6 +38,7 @@ PROMPT = tuple(range(5, 69))
 class Throughput:
     api: str  # "grpc" (text) or "http"
     concurrency: int
+    stream_interval: int
     tokens: int
     wall_s: float
     router_cpu_s: float
@@ -58,7 +64,7 @@ def cpu_seconds(pid: int) -> float:
 
 
 def measure(model: str | None, concurrencies: list[int], seconds: float,
-            tokens_per_request: int) -> list[Throughput]:
+            tokens_per_request: int, intervals: tuple[int, ...] = (1,)) -> list[Throughput]:
     model = resolve_model(model)
     served = Path(model).name  # what the router calls the model of the directory it loads
     mine = os.sched_getaffinity(0)
@@ -76,30 +82,31 @@ def measure(model: str | None, concurrencies: list[int], seconds: float,
         cluster.wait_ready([r], 60)
         os.sched_setaffinity(0, others)
         return asyncio.run(_all(r.endpoints, served, r.popen.pid, concurrencies, seconds,
-                                tokens_per_request))
+                                tokens_per_request, intervals))
     finally:
         os.sched_setaffinity(0, mine)
         cluster.stop(grace_s=10)
 
 
 async def _all(endpoints: dict[str, str], model: str, pid: int, concurrencies: list[int],
-               seconds: float, n: int) -> list[Throughput]:
-    grpc_t = GrpcTarget(endpoints["grpc"], detokenize=True, timeout_s=60)
-    http_t = HttpTarget(endpoints["http"], model, timeout_s=60)
-    try:
-        await _until_routable(grpc_t)
-        out = []
-        for api, target in (("grpc", grpc_t), ("http", http_t)):
-            await run_load(target, [RequestSpec(PROMPT, None, 16)] * 4, None, 4, False)  # warm
-            for conc in concurrencies:
-                out.append(await _one(api, target, pid, conc, seconds, n))
-        return out
-    finally:
-        await grpc_t.close()
-        await http_t.close()
+               seconds: float, n: int, intervals: tuple[int, ...]) -> list[Throughput]:
+    out = []
+    for api in ("grpc", "http"):
+        for k in intervals:
+            target = (GrpcTarget(endpoints["grpc"], detokenize=True, timeout_s=60,
+                                 stream_interval=k) if api == "grpc"
+                      else HttpTarget(endpoints["http"], model, timeout_s=60, stream_interval=k))
+            try:
+                await _until_routable(target)
+                await run_load(target, [RequestSpec(PROMPT, None, 16)] * 4, None, 4, False)
+                for conc in concurrencies:
+                    out.append(await _one(api, k, target, pid, conc, seconds, n))
+            finally:
+                await target.close()
+    return out
 
 
-async def _until_routable(target: GrpcTarget) -> None:
+async def _until_routable(target: GrpcTarget | HttpTarget) -> None:
     """The router learns its static worker by polling it; until then requests are refused."""
     deadline = time.monotonic() + 60
     while not (await target.send(RequestSpec(PROMPT, None, 2))).ok:
@@ -108,7 +115,8 @@ async def _until_routable(target: GrpcTarget) -> None:
         await asyncio.sleep(0.5)
 
 
-async def _one(api: str, target, pid: int, conc: int, seconds: float, n: int) -> Throughput:
+async def _one(api: str, interval: int, target, pid: int, conc: int, seconds: float,
+               n: int) -> Throughput:
     """Closed loop at `conc` streams for about `seconds`: each stream asks `n` tokens at a time,
     and the number of requests is sized from a short probe of this path's rate."""
     spec = RequestSpec(PROMPT, None, n)
@@ -122,15 +130,18 @@ async def _one(api: str, target, pid: int, conc: int, seconds: float, n: int) ->
     failed = [r.error for r in results + probe if not r.ok]
     if failed:
         raise RuntimeError(f"{len(failed)} requests failed over {api}: {failed[0]}")
-    return Throughput(api, conc, sum(r.output_tokens for r in results), wall, cpu)
+    if interval > 1 and any(len(r.chunk_tokens) >= n for r in results):
+        raise RuntimeError(f"stream interval {interval} over {api}: a request came in a message "
+                           f"per token")  # the router or the source ignored the interval
+    return Throughput(api, conc, interval, sum(r.output_tokens for r in results), wall, cpu)
 
 
 def report(rows: list[Throughput]) -> None:
-    print(f"{'api':5} {'streams':>7} {'tokens':>8} {'wall s':>7} {'router CPU s':>12} "
-          f"{'us/token':>9} {'tokens per core-s':>18}")
+    print(f"{'api':5} {'streams':>7} {'interval':>8} {'tokens':>8} {'wall s':>7} "
+          f"{'router CPU s':>12} {'us/token':>9} {'tokens per core-s':>18}")
     for t in rows:
-        print(f"{t.api:5} {t.concurrency:7d} {t.tokens:8d} {t.wall_s:7.1f} {t.router_cpu_s:12.2f} "
-              f"{t.us_per_token:9.1f} {t.tokens_per_core_s:18.0f}")
+        print(f"{t.api:5} {t.concurrency:7d} {t.stream_interval:8d} {t.tokens:8d} {t.wall_s:7.1f} "
+              f"{t.router_cpu_s:12.2f} {t.us_per_token:9.1f} {t.tokens_per_core_s:18.0f}")
 
 
 def main() -> None:
@@ -139,8 +150,10 @@ def main() -> None:
     ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 32])
     ap.add_argument("--seconds", type=float, default=6.0)
     ap.add_argument("--tokens", type=int, default=256, help="output tokens per request")
+    ap.add_argument("--stream-interval", type=int, nargs="+", default=[1, 2],
+                    help="the requests' sampling.stream_interval, each in turn")
     a = ap.parse_args()
-    report(measure(a.model, a.concurrency, a.seconds, a.tokens))
+    report(measure(a.model, a.concurrency, a.seconds, a.tokens, tuple(a.stream_interval)))
 
 
 if __name__ == "__main__":

@@ -40,9 +40,11 @@ class TokenSource(worker_pb2_grpc.DecodeWorkerServicer):
 
     async def run(self, request: worker_pb2.DecodeRequest):
         n = request.sampling.max_tokens if request.sampling.HasField("max_tokens") else 16
+        # A request's stream interval raises the batch, and the first token goes alone, as vLLM.
+        per_message = max(self.per_message, request.sampling.stream_interval)
         sent, seed = 0, len(request.prompt_token_ids)
         while sent < n:
-            k = min(self.per_message, n - sent)
+            k = min(per_message if sent else 1, n - sent)
             chunk = worker_pb2.DecodeResponse(
                 token_ids=[VOCAB_START + (seed + sent + i) % VOCAB_SPAN for i in range(k)])
             sent += k

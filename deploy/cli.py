@@ -139,7 +139,7 @@ def _router(a: argparse.Namespace) -> int:
         conditional_disaggregation=a.conditional_disaggregation,
         http_port=a.http_port, prefix_affinity=a.prefix_affinity,
         api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
-        max_migrations=a.max_migrations,
+        max_migrations=a.max_migrations, stream_interval=a.stream_interval,
         heartbeat_timeout_s=a.heartbeat_timeout_s, static_prefill=tuple(a.static_prefill),
         static_decode=tuple(a.static_decode), static_colocated=tuple(a.static_colocated))
     try:
@@ -175,7 +175,7 @@ def _up(a: argparse.Namespace) -> int:
     say(f"model {a.model or DEFAULT_MODEL}: {model}")
     router_args = ["--max-model-len", str(a.max_model_len), "--max-concurrency",
                    str(a.max_concurrency), "--max-queue", str(a.max_queue),
-                   "--http-port", str(a.http_port)]
+                   "--http-port", str(a.http_port), "--stream-interval", str(a.stream_interval)]
     if a.admit_ttft_slo is not None:
         router_args += ["--admit-ttft-slo", str(a.admit_ttft_slo)]
     if a.conditional_disaggregation:
@@ -280,6 +280,11 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                         "(router/split.py); default: always on a prefill worker")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API, /metrics and /health (0: any free port)")
+    p.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",
+                   help="stream at least this many tokens per message (the first and the last "
+                        "at once); a request's sampling.stream_interval may raise it. Larger "
+                        "values cost every layer fewer messages per token, streams get "
+                        "burstier (default 1: every engine step as it comes, as vLLM)")
     from router.validation import RequestLimits
 
     d = RequestLimits()

@@ -18,7 +18,7 @@ import random
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import grpc
 
@@ -180,6 +180,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         v = validate_sampling(request.sampling, prompt_len=len(ids),
                               max_model_len=self.cfg.max_model_len,
                               vocab_size=self.tokenizer.vocab_size, limits=self.cfg.limits)
+        if v.stream_interval < self.cfg.stream_interval:  # the deployment's floor
+            v = replace(v, stream_interval=self.cfg.stream_interval)
         return ids, v.to_proto(), v.stop
 
     def route(self, prompt_len: int, local: bool, exclude: Collection[str] = (),

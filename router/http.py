@@ -122,7 +122,7 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
 # silently ignored (logprobs, penalties) gives a client an answer to a question it did not ask.
 _COMMON = frozenset({"model", "max_tokens", "max_completion_tokens", "temperature", "top_p",
                      "top_k", "seed", "min_tokens", "stop", "stop_token_ids", "ignore_eos", "n",
-                     "stream", "stream_options", "timeout", "user"})
+                     "stream", "stream_options", "stream_interval", "timeout", "user"})
 _FIELDS = {False: _COMMON | {"prompt"}, True: _COMMON | {"messages"}}
 _NEUTRAL: dict[str, tuple[Any, ...]] = {  # value(s) at which an unsupported field is a no-op
     "logprobs": (None, False), "top_logprobs": (None, 0), "echo": (None, False),
@@ -187,7 +187,8 @@ def _sampling(body: dict[str, Any], req: generation_pb2.GenerateRequest) -> None
         raise ApiError(400, f"only n=1 is supported, got {n!r}", "n")
     sp = req.sampling
     try:
-        for key in ("temperature", "top_p", "top_k", "max_tokens", "seed", "min_tokens"):
+        for key in ("temperature", "top_p", "top_k", "max_tokens", "seed", "min_tokens",
+                    "stream_interval"):
             value = body.get("max_completion_tokens") if key == "max_tokens" and body.get(
                 "max_tokens") is None else body.get(key)
             if isinstance(value, bool):  # protobuf would take true as 1

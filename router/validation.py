@@ -23,6 +23,8 @@ from splitserve.v1 import common_pb2, generation_pb2
 
 MAX_LOGPROBS = 20  # what the OpenAI API allows; the engines are configured to match
 MAX_REQUEST_ID_CHARS = 256  # it names the request in every worker's ids and logs
+# Beyond this a stream is one message at the end anyway (max_tokens is at most the context).
+MAX_STREAM_INTERVAL = 1 << 20
 
 
 @dataclass(frozen=True)
@@ -134,6 +136,13 @@ def validate_sampling(
                 "sampling.logprobs", f"must be in [0, {MAX_LOGPROBS}], got {logprobs}"
             )
 
+    stream_interval = d.stream_interval
+    if sp.HasField("stream_interval"):
+        stream_interval = sp.stream_interval
+        if not 1 <= stream_interval <= MAX_STREAM_INTERVAL:
+            raise InvalidArgument("sampling.stream_interval",
+                                  f"must be in [1, {MAX_STREAM_INTERVAL}], got {stream_interval}")
+
     return Sampling(
         temperature=temperature,
         top_p=top_p,
@@ -145,6 +154,7 @@ def validate_sampling(
         stop_token_ids=tuple(sp.stop_token_ids),
         ignore_eos=sp.ignore_eos,
         logprobs=logprobs,
+        stream_interval=stream_interval,
     )
 
 

@@ -26,6 +26,7 @@ class Sampling:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None: no logprobs; 0: the sampled token's only
+    stream_interval: int = 1  # tokens per streamed message, at least (first and last: at once)
 
     @classmethod
     def from_proto(cls, sp: common_pb2.SamplingParams) -> Sampling:
@@ -42,6 +43,8 @@ class Sampling:
             stop_token_ids=tuple(sp.stop_token_ids),
             ignore_eos=sp.ignore_eos,
             logprobs=sp.logprobs if sp.HasField("logprobs") else None,
+            stream_interval=max(sp.stream_interval, 1) if sp.HasField("stream_interval")
+            else d.stream_interval,
         )
 
     def to_proto(self) -> common_pb2.SamplingParams:
@@ -54,4 +57,6 @@ class Sampling:
             sp.seed = self.seed
         if self.logprobs is not None:
             sp.logprobs = self.logprobs
+        if self.stream_interval > 1:
+            sp.stream_interval = self.stream_interval
         return sp

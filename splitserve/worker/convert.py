@@ -35,6 +35,9 @@ def sampling_to_vllm(sp: common_pb2.SamplingParams, *, max_tokens: int | None = 
         ignore_eos=s.ignore_eos,
         logprobs=s.logprobs,
         output_kind=RequestOutputKind.DELTA,
+        # vLLM holds tokens back until this many are ready (first and last at once): fewer
+        # messages through the worker, the router and the client for the same tokens.
+        stream_interval=s.stream_interval if s.stream_interval > 1 else None,
         detokenize=False,  # the router detokenises once, incrementally
         extra_args={"kv_transfer_params": kv_transfer_params} if kv_transfer_params else None,
     )

@@ -77,11 +77,13 @@ def cl(tiny_model_dir: Path):
         c.router("K", *pd, env={"SPLITSERVE_API_KEY": API_KEY})
         c.router("S", "--static-prefill", w["P0"], "--static-decode", w["DS"])
         c.router("X", "--static-prefill", w["P0"], "--static-decode", w["C"])
+        c.router("I", "--static-colocated", w["C"], "--stream-interval", "3")
         c.wait_ready()
         wait_models(c, "A", prefill=2, decode=2)
         for r in ("B", "O", "K", "S", "X"):
             wait_models(c, r, prefill=1, decode=1)
         wait_models(c, "R", prefill=0, decode=1)
+        wait_models(c, "I", prefill=0, decode=1)
         yield c
     finally:
         c.close()

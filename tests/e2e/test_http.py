@@ -52,6 +52,18 @@ def test_completions_equal_grpc_streaming_and_not(cl: ProcCluster) -> None:
     assert chunks[-1].usage.prompt_tokens == want.usage.prompt_tokens
 
 
+def test_stream_interval_gives_fewer_events_with_the_same_text(cl: ProcCluster) -> None:
+    want = _grpc_text(cl, PROMPT, 24)
+    chunks = list(_client(cl).completions.create(
+        model=_name(cl), prompt=PROMPT, max_tokens=24, temperature=0, stream=True,
+        extra_body={"stream_interval": 6}))
+    texts = [c.choices[0].text for c in chunks if c.choices and c.choices[0].text]
+    assert "".join(texts) == want.text
+    # Router A disaggregates: the prefill worker's token and the decode engine's first output
+    # each come alone, then six at a time (one token per event would be 24 events).
+    assert len(texts) <= 2 + -(-22 // 6), texts
+
+
 def test_chat_equals_grpc_on_the_templated_prompt(cl: ProcCluster) -> None:
     msgs = [{"role": "user", "content": "Tell me about the river."}]
     templated = "<|bos|>### user:\nTell me about the river.\n<|eos|>### assistant:\n"
@@ -91,6 +103,8 @@ def test_chat_equals_grpc_on_the_templated_prompt(cl: ProcCluster) -> None:
     ({"prompt": "hi", "stop_token_ids": [10**7]}, 400, "stop_token_ids"),
     ({"prompt": "hi", "timeout": 1e9}, 400, "timeout"),
     ({"prompt": "hi", "stream": "yes"}, 400, "stream"),
+    ({"prompt": "hi", "stream_interval": 0}, 400, "stream_interval"),
+    ({"prompt": "hi", "stream_interval": "4"}, 400, None),  # a bad type: not a sampling rule
     ({"prompt": [1, 10**30]}, 400, "prompt"),  # not an int64: was a 500
     ({"prompt": "\ud800"}, 400, "prompt"),  # a lone surrogate: no UTF-8 field holds it
 ])

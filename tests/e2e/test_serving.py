@@ -70,6 +70,40 @@ def test_text_prompt_stop_string_and_complete(cl) -> None:
     assert cut.text == full.text[:full.text.index(stop)]
 
 
+def _chunks(stub, req) -> list[list[int]]:
+    return [list(c.token_ids) for c in stub.Generate(req, timeout=120) if c.token_ids]
+
+
+@pytest.mark.parametrize(("router", "alone"), [("R", 1), ("B", 2)])  # colocated, 1P1D
+def test_stream_interval_batches_the_same_tokens(cl, tiny_model_dir: Path, router: str,
+                                                 alone: int) -> None:
+    """The engine holds tokens back until `stream_interval` are ready: the stream comes in fewer
+    messages, with the same greedy tokens. `alone`: leading messages the engines send at once
+    (the prefill worker's first token, the decode engine's first output). The router may merge
+    messages that wait together (a busy host), so sizes are lower bounds."""
+    prompt = make_prompts(tiny_model_dir, [200], seed=16)[0]
+    stub = cl.generation(cl.by_name[router])
+    want = _chunks(stub, _request(prompt, max_tokens=40, ignore_eos=True))
+    got = _chunks(stub, _request(prompt, max_tokens=40, ignore_eos=True, stream_interval=5))
+    assert sum(got, []) == sum(want, [])
+    assert all(len(c) >= 5 for c in got[alone:-1]), [len(c) for c in got]
+    assert len(got) <= alone + -(-(40 - alone) // 5)
+
+
+def test_router_stream_interval_is_every_requests_floor(cl, tiny_model_dir: Path) -> None:
+    """Router I runs with --stream-interval 3: a request that asks nothing gets it, one that asks
+    for more gets more; both stream what router R (interval 1) streams for the same worker."""
+    prompt = make_prompts(tiny_model_dir, [60], seed=17)[0]
+    want = sum(_chunks(cl.generation(cl.by_name["R"]), _request(prompt, max_tokens=30)), [])
+    stub = cl.generation(cl.by_name["I"])
+    for asked, floor in ((None, 3), (1, 3), (6, 6)):
+        extra = {} if asked is None else {"stream_interval": asked}
+        got = _chunks(stub, _request(prompt, max_tokens=30, **extra))
+        assert sum(got, []) == want
+        assert all(len(c) >= floor for c in got[1:-1]), (asked, [len(c) for c in got])
+        assert len(got) <= 1 + -(-(len(want) - 1) // floor), (asked, [len(c) for c in got])
+
+
 @pytest.mark.parametrize(("req", "field"), [
     (generation_pb2.GenerateRequest(sampling=common_pb2.SamplingParams(max_tokens=4)), "prompt"),
     (generation_pb2.GenerateRequest(text=""), "text"),
@@ -79,6 +113,7 @@ def test_text_prompt_stop_string_and_complete(cl) -> None:
     (_request([1, 2], max_tokens=0), "sampling.max_tokens"),
     (_request([1, 2], max_tokens=5000), "sampling.max_tokens"),
     (_request([1, 2], stop=[""]), "sampling.stop"),
+    (_request([1, 2], stream_interval=0), "sampling.stream_interval"),
     (_request([1, 2], stop=["s" * 30_000]), "sampling.stop"),
     (_request([1, 2], stop_token_ids=[10**7]), "sampling.stop_token_ids"),
     (_request([1, 10**7]), "token_ids"),

@@ -55,6 +55,7 @@ def test_defaults() -> None:
         stop_token_ids=(),
         ignore_eos=False,
         logprobs=None,
+        stream_interval=1,
     )
 
 
@@ -70,8 +71,17 @@ def test_all_fields_pass_through() -> None:
         stop_token_ids=[7, 9],
         ignore_eos=True,
         logprobs=0,
+        stream_interval=4,
     )
-    assert v == Sampling(0.0, 0.5, 40, 100, 5, 0, ("\n\n", "END"), (7, 9), True, 0)
+    assert v == Sampling(0.0, 0.5, 40, 100, 5, 0, ("\n\n", "END"), (7, 9), True, 0, 4)
+    # Workers get all but the stop strings, and read back the same record.
+    assert Sampling.from_proto(v.to_proto()) == Sampling(0.0, 0.5, 40, 100, 5, 0, (), (7, 9),
+                                                         True, 0, 4)
+
+
+def test_stream_interval_one_is_not_sent() -> None:
+    assert not sampling(stream_interval=1).to_proto().HasField("stream_interval")
+    assert Sampling.from_proto(common_pb2.SamplingParams()).stream_interval == 1
 
 
 def test_float32_values_come_back_as_written() -> None:
@@ -111,6 +121,8 @@ def test_top_k_disabled(top_k: int) -> None:
         ("sampling.stop", {"stop": ["ok", "y" * 1025]}, "stop string 1 has 1025 characters"),
         ("sampling.logprobs", {"logprobs": 21}, "[0, 20]"),
         ("sampling.logprobs", {"logprobs": -1}, "[0, 20]"),
+        ("sampling.stream_interval", {"stream_interval": 0}, "got 0"),
+        ("sampling.stream_interval", {"stream_interval": -3}, "[1, "),
     ],
 )
 def test_sampling_rules(field: str, fields: dict, needle: str) -> None:
