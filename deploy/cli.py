@@ -135,7 +135,8 @@ def _router(a: argparse.Namespace) -> int:
         model_dir=model_dir, model_name=a.model_name, model_aliases=aliases, host=a.host,
         port=a.grpc_port, cluster_port=a.cluster_port, cluster_token=token, tls=sec.tls_of(a),
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
-        admit_ttft_slo_s=a.admit_ttft_slo, local_prefill_threshold=a.local_prefill_threshold,
+        admit_ttft_slo_s=a.admit_ttft_slo, admit_tpot_slo_s=a.admit_tpot_slo,
+        local_prefill_threshold=a.local_prefill_threshold,
         conditional_disaggregation=a.conditional_disaggregation,
         http_port=a.http_port, prefix_affinity=a.prefix_affinity,
         api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
@@ -178,6 +179,8 @@ def _up(a: argparse.Namespace) -> int:
                    "--http-port", str(a.http_port), "--stream-interval", str(a.stream_interval)]
     if a.admit_ttft_slo is not None:
         router_args += ["--admit-ttft-slo", str(a.admit_ttft_slo)]
+    if a.admit_tpot_slo is not None:
+        router_args += ["--admit-tpot-slo", str(a.admit_tpot_slo)]
     if a.conditional_disaggregation:
         router_args.append("--conditional-disaggregation")
     if a.model:  # requests may name the model as the user did (vLLM's tools send --model)
@@ -274,6 +277,9 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="refuse at once (gRPC RESOURCE_EXHAUSTED / HTTP 429, with a retry-after) "
                         "a request whose predicted time to first token exceeds this; default: "
                         "queue every request (up to --max-queue)")
+    p.add_argument("--admit-tpot-slo", type=float, default=None, metavar="SECONDS",
+                   help="likewise for the predicted time per output token, learnt from the "
+                        "router's own streams (router/slo.py); default: no such check")
     p.add_argument("--conditional-disaggregation", action="store_true",
                    help="decide per request whether to prefill on a prefill worker or on the "
                         "decode worker, whichever adds less delay by live measurements "

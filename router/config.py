@@ -27,6 +27,8 @@ class RouterConfig:
     # Refuse at once (RESOURCE_EXHAUSTED / 429 with a retry-after) a request whose predicted time
     # to first token exceeds this many seconds (router/slo.py). None = queue everything.
     admit_ttft_slo_s: float | None = None
+    # The same for the predicted time per output token (router/slo.py). None = no such check.
+    admit_tpot_slo_s: float | None = None
     # Prompts shorter than this prefill on the decode worker: a KV transfer costs more than
     # recomputing a few tokens. 0 = always disaggregate when prefill workers exist.
     local_prefill_threshold: int = 0
@@ -66,7 +68,9 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        if self.admit_ttft_slo_s is not None and not self.admit_ttft_slo_s > 0:
-            raise ValueError(f"admit_ttft_slo_s must be positive, got {self.admit_ttft_slo_s}")
+        for name in ("admit_ttft_slo_s", "admit_tpot_slo_s"):
+            value = getattr(self, name)
+            if value is not None and not value > 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         if self.max_queue < 0:
             raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")

@@ -35,7 +35,7 @@ from router.flow import FlowTimings, TokenEvent, remaining, run_flow
 from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill, prefix_key
 from router.registry import Worker, WorkerRegistry
-from router.slo import Overloaded, PrefillMeter, TtftAdmission
+from router.slo import DecodeMeter, Overloaded, PrefillMeter, TpotAdmission, TtftAdmission
 from router.split import PrefillSplit
 from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
 from router.validation import check_model, validate_prompt, validate_sampling
@@ -92,6 +92,11 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         metrics.pending_prompt_tokens.labels(metrics.model).set_function(lambda: meter.pending)
         self.ttft_admission = (TtftAdmission(cfg.admit_ttft_slo_s)
                                if cfg.admit_ttft_slo_s is not None else None)
+        self.decode_meter = streams = DecodeMeter()
+        metrics.predicted_tpot.labels(metrics.model).set_function(
+            lambda: streams.predict_tpot() or 0.0)
+        self.tpot_admission = (TpotAdmission(cfg.admit_tpot_slo_s)
+                               if cfg.admit_tpot_slo_s is not None else None)
         self.rng = random.Random()
         self.split = PrefillSplit() if cfg.conditional_disaggregation else None
 
@@ -216,15 +221,19 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         ids, sp, stops = self.prepare(request)
         if self.ttft_admission is not None:
             self.ttft_admission.check(self.prefill_meter, len(ids))
+        if self.tpot_admission is not None:
+            self.tpot_admission.check(self.decode_meter)
         m = self.metrics
-        meter, n_prompt = self.prefill_meter, len(ids)
+        meter, n_prompt, streams = self.prefill_meter, len(ids), self.decode_meter
         meter.start(n_prompt)
-        answered = False
+        streams.joined()
+        answered, mark, n_out, finish = False, None, 0, None
         m.waiting.labels(m.model).inc()
         try:
             await self.admission.acquire()
         except BaseException:
             meter.abandoned(n_prompt)
+            streams.left(None)
             raise
         finally:
             m.waiting.labels(m.model).dec()
@@ -236,13 +245,14 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 self.tokenizer, skip_special_tokens=not request.HasField("skip_special_tokens")
                 or request.skip_special_tokens)
             stop = StopMatcher(stops)
-            n_out, finish, stop_reason = 0, None, None
+            stop_reason = None
             flow = self._migrating(rid, ids, sp, request.local_prefill, deadline, timings, trace)
             try:
                 async for ev in flow:
                     if not answered and ev.token_ids:
                         answered = True
                         meter.answered(n_prompt)
+                        mark = streams.first_token()
                     n_out += len(ev.token_ids)
                     trace.tokens(len(ev.token_ids))
                     text = ""
@@ -271,6 +281,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         finally:
             if not answered:
                 meter.abandoned(n_prompt)
+            if finish is not None and mark is not None:
+                streams.finished(mark, n_out)
+            else:
+                streams.left(mark)
             m.running.labels(m.model).dec()
             self.admission.release()
 

@@ -61,6 +61,10 @@ class RouterMetrics:
         self.pending_prompt_tokens = Gauge("splitserve:pending_prompt_tokens",
                                            "Prompt tokens admitted, first token not yet sent",
                                            labels, registry=registry)
+        self.predicted_tpot = Gauge("splitserve:predicted_tpot_seconds",
+                                    "Time per output token predicted for a request admitted now "
+                                    "(router/slo.py; 0 until three streams finished)", labels,
+                                    registry=registry)
         self.workers = Gauge("splitserve:workers", "Live workers by role", [*labels, "role"],
                              registry=registry)
         # Export zeros: rate() and the dashboard work from the first request on.

@@ -1,4 +1,4 @@
-"""SLO-aware admission: refuse at once a request that would miss its time-to-first-token SLO.
+"""SLO-aware admission: refuse at once a request that would miss its TTFT or TPOT SLO.
 
 A request admitted into a queue it cannot get through in time is served late, and it makes every
 request behind it late too; refused at once, with a hint of when to come back, it can go to
@@ -12,6 +12,14 @@ requests, so it follows the model, the hardware, the prompt mix and the number o
 without a configured number, and it is pessimistic where the pool's prefix cache saves work
 (a cached prefix is counted as if it were prefilled). Until it has seen a few requests it admits
 everything.
+
+The time per output token (`--admit-tpot-slo`) is predicted the same way, from the router's own
+streams (`DecodeMeter`): each finished request gives its TPOT as its client saw it and the mean
+number of streams decoding beside it, and a decayed least-squares line through those samples
+(TPOT = a + b * streams: a decode step grows with its batch) is read at the streams that will be
+decoding once this request joins (those decoding now, those admitted and still prefilling, and
+this one). Where the samples all saw about the same number of streams the line has no slope to
+go on, and the prediction is their mean TPOT.
 """
 
 from __future__ import annotations
@@ -102,6 +110,105 @@ class TtftAdmission:
             f"predicted time to first token {predicted:.2f} s exceeds the SLO of "
             f"{self.slo_s:g} s ({meter.pending} prompt tokens ahead of this one's {n}, "
             f"answered at {rate:.0f} tokens/s); retry after {math.ceil(wait)} s", wait)
+
+
+class DecodeMeter:
+    """Streams decoding and joining, and how a stream's time per output token grows with them.
+
+    Lifecycle per request: `joined()` when admitted, `first_token()`, then `finished(tokens)`
+    (or `left()` at any point). Samples come from finished requests of at least two tokens."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._clock = clock
+        self.decoding = 0  # streams between their first and last token
+        self.joining = 0  # admitted, first token not yet sent
+        self._area = 0.0  # integral of `decoding` over time: a request's mean batch
+        self._last = clock()
+        # Decayed sums for the line TPOT = a + b * streams, and for the mean decode duration.
+        self._w = self._x = self._y = self._xx = self._xy = self._dur = 0.0
+        self._samples = 0
+
+    def _tick(self) -> float:
+        now = self._clock()
+        self._area += self.decoding * (now - self._last)
+        self._last = now
+        return self._area
+
+    def joined(self) -> None:
+        self.joining += 1
+
+    def first_token(self) -> tuple[float, float]:
+        """The request's first token went out; returns its mark for `finished`."""
+        area = self._tick()
+        self.joining -= 1
+        self.decoding += 1
+        return self._last, area
+
+    def left(self, mark: tuple[float, float] | None) -> None:
+        """The request ended without a usable sample (refused, failed, cancelled, one token)."""
+        self._tick()
+        if mark is None:
+            self.joining -= 1
+        else:
+            self.decoding -= 1
+
+    def finished(self, mark: tuple[float, float], tokens: int) -> None:
+        """The request's last token went out; `tokens` it streamed in all."""
+        area = self._tick()
+        self.decoding -= 1
+        t0, area0 = mark
+        span = self._last - t0
+        if tokens < 2 or span <= 0:
+            return
+        x, y = (area - area0) / span, span / (tokens - 1)
+        d = _DECAY
+        self._w, self._x, self._y = self._w * d + 1, self._x * d + x, self._y * d + y
+        self._xx, self._xy = self._xx * d + x * x, self._xy * d + x * y
+        self._dur = self._dur * d + span
+        self._samples += 1
+
+    def predict_tpot(self) -> float | None:
+        """Seconds per output token for a request admitted now, or None while it knows too
+        little."""
+        if self._samples < _MIN_SAMPLES:
+            return None
+        self._tick()
+        w, mx, my = self._w, self._x / self._w, self._y / self._w
+        var = self._xx / w - mx * mx
+        slope = max((self._xy / w - mx * my) / var, 0.0) if var > _MIN_STREAM_VARIANCE else 0.0
+        return my + slope * (self.decoding + self.joining + 1 - mx)
+
+    def mean_decode_s(self) -> float:
+        return self._dur / self._w if self._w else 0.0
+
+
+# Below this spread of streams (a variance, in streams squared) the samples say nothing of how
+# TPOT grows with the batch.
+_MIN_STREAM_VARIANCE = 0.25
+
+
+@dataclass(frozen=True)
+class TpotAdmission:
+    """Refuses what the meter predicts would stream slower than `slo_s` per output token."""
+
+    slo_s: float
+
+    def __post_init__(self) -> None:
+        if not self.slo_s > 0:
+            raise ValueError(f"the TPOT SLO must be positive, got {self.slo_s}")
+
+    def check(self, meter: DecodeMeter) -> None:
+        """Raises RESOURCE_EXHAUSTED (HTTP 429) with a retry-after when the SLO would be missed."""
+        predicted = meter.predict_tpot()
+        if predicted is None or predicted <= self.slo_s:
+            return
+        streams = meter.decoding + meter.joining
+        # About when one of the streams ahead will have finished and left its place.
+        wait = max(meter.mean_decode_s() / max(streams, 1), 0.1)
+        raise Overloaded(
+            f"predicted time per output token {predicted * 1e3:.1f} ms exceeds the SLO of "
+            f"{self.slo_s * 1e3:g} ms ({meter.decoding} streams decoding, {meter.joining} "
+            f"joining); retry after {math.ceil(wait)} s", wait)
 
 
 class Overloaded(RequestFailed):

@@ -5,7 +5,7 @@ from __future__ import annotations
 import grpc
 import pytest
 
-from router.slo import Overloaded, PrefillMeter, TtftAdmission
+from router.slo import DecodeMeter, Overloaded, PrefillMeter, TpotAdmission, TtftAdmission
 
 
 class Clock:
@@ -83,3 +83,86 @@ def test_a_cold_router_admits_everything() -> None:
 def test_the_slo_must_be_positive(slo: float) -> None:
     with pytest.raises(ValueError):
         TtftAdmission(slo_s=slo)
+
+
+def decoding(meter: DecodeMeter) -> tuple[float, float]:
+    """A request admitted and now past its first token; its mark."""
+    meter.joined()
+    return meter.first_token()
+
+
+def streamed(meter: DecodeMeter, clock: Clock, tokens: int, tpot_s: float,
+             beside: int = 0) -> None:
+    """One request decoding `tokens` at `tpot_s` with `beside` other streams decoding all along."""
+    others = [decoding(meter) for _ in range(beside)]
+    mark = decoding(meter)
+    clock.t += tpot_s * (tokens - 1)
+    meter.finished(mark, tokens)
+    for o in others:
+        meter.left(o)
+
+
+def test_the_decode_meter_predicts_nothing_until_it_has_seen_a_few_streams() -> None:
+    clock = Clock()
+    meter = DecodeMeter(clock)
+    for _ in range(2):
+        streamed(meter, clock, 11, 0.010)
+        assert meter.predict_tpot() is None
+    streamed(meter, clock, 11, 0.010)
+    assert meter.predict_tpot() == pytest.approx(0.010)  # one batch size seen: its mean
+    assert (meter.decoding, meter.joining) == (0, 0)
+
+
+def test_tpot_is_read_off_the_line_at_the_streams_a_request_would_join() -> None:
+    clock = Clock()
+    meter = DecodeMeter(clock)
+    for _ in range(4):  # alone: 10 ms a token; beside three others: 25 ms (5 ms per stream)
+        streamed(meter, clock, 11, 0.010)
+        streamed(meter, clock, 11, 0.025, beside=3)
+    assert meter.predict_tpot() == pytest.approx(0.010)  # nothing else decoding now
+    running = [decoding(meter) for _ in range(5)]
+    assert meter.predict_tpot() == pytest.approx(0.035)  # 6 streams once this one joins
+    meter.joined()  # admitted, still prefilling: it will decode beside them too
+    assert meter.predict_tpot() == pytest.approx(0.040)
+    meter.left(None)
+    for r in running:
+        meter.left(r)
+    assert (meter.decoding, meter.joining) == (0, 0)
+
+
+def test_one_token_and_abandoned_streams_teach_nothing() -> None:
+    clock = Clock()
+    meter = DecodeMeter(clock)
+    for _ in range(5):
+        mark = decoding(meter)
+        clock.t += 1.0
+        meter.finished(mark, 1)  # a single token: no time per output token
+        meter.joined()
+        meter.left(None)  # refused or cancelled before its first token
+    assert meter.predict_tpot() is None and (meter.decoding, meter.joining) == (0, 0)
+
+
+def test_tpot_admission_refuses_with_a_retry_hint() -> None:
+    clock = Clock()
+    meter = DecodeMeter(clock)
+    for _ in range(3):
+        streamed(meter, clock, 101, 0.020)  # 2 s of decode each
+    gate = TpotAdmission(slo_s=0.025)
+    gate.check(meter)  # 20 ms predicted: admitted
+    TpotAdmission(slo_s=0.001).check(DecodeMeter(clock))  # a cold router admits everything
+    running = [decoding(meter) for _ in range(4)]
+    with pytest.raises(Overloaded) as e:
+        TpotAdmission(slo_s=0.015).check(meter)
+    err = e.value
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.outcome == "rejected"
+    assert "predicted time per output token 20.0 ms exceeds the SLO of 15 ms" in str(err)
+    assert "4 streams decoding" in str(err)
+    assert err.retry_after_s == pytest.approx(0.5)  # a 2 s decode, one of four places frees
+    for r in running:
+        meter.left(r)
+
+
+@pytest.mark.parametrize("slo", [0.0, -1.0])
+def test_the_tpot_slo_must_be_positive(slo: float) -> None:
+    with pytest.raises(ValueError, match="positive"):
+        TpotAdmission(slo_s=slo)
