@@ -11,7 +11,7 @@ prefix-cache help and one workload for all. Drivers: vLLM's `vllm bench serve` a
 bench`, both against the OpenAI HTTP front.
 
     python bench/goodput.py [--rates 2,3,4,6] [--num-prompts 40] [--deployments ...]
-                            [--drivers vllm,splitserve] [--json FILE]
+                            [--drivers vllm,splitserve] [--stream-interval 1] [--json FILE]
 
 Prints, per driver and rate, each deployment's SLO attainment, TTFT/TPOT medians; then each
 deployment's goodput: the highest swept rate with >= --target attainment, and that per engine.
@@ -52,7 +52,8 @@ def start(name: str, a: argparse.Namespace, model: str, procs: ProcessSet,
     roles, router_flags = DEPLOYMENTS[name]
     router = procs.spawn("router", ["router", "--model", model, "--grpc-port", "0",
                                     "--http-port", str(a.splitserve_port),
-                                    "--max-model-len", str(a.max_model_len), *router_flags])
+                                    "--max-model-len", str(a.max_model_len),
+                                    "--stream-interval", str(a.stream_interval), *router_flags])
     procs.wait_ready([router], 120)
     for i, role in enumerate(roles):
         procs.spawn(f"{role}{i}", [

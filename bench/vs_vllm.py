@@ -52,14 +52,16 @@ def start_vllm(a: argparse.Namespace, model: str, log: Path) -> subprocess.Popen
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
          "--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--port", str(a.vllm_port),
          "--kv-cache-memory-bytes", str(a.kv_cache_mib << 20), "--block-size", "128",
-         "--enforce-eager", "--max-num-seqs", "64", "--seed", "0"],
+         "--enforce-eager", "--max-num-seqs", "64", "--seed", "0",
+         "--stream-interval", str(a.stream_interval)],
         env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
 
 
 def start_splitserve(a: argparse.Namespace, model: str, procs: ProcessSet) -> str:
     router = procs.spawn("router", ["router", "--model", model, "--grpc-port", "0",
                                     "--http-port", str(a.splitserve_port),
-                                    "--max-model-len", str(a.max_model_len)])
+                                    "--max-model-len", str(a.max_model_len),
+                                    "--stream-interval", str(a.stream_interval)])
     procs.wait_ready([router], 120)
     worker = procs.spawn("colocated", [
         "colocated", "--model", model, "--router", router.address, "--dtype", a.dtype,
@@ -137,6 +139,9 @@ def workload_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--max-model-len", type=int, default=4096)
     ap.add_argument("--vllm-port", type=int, default=8100)
     ap.add_argument("--splitserve-port", type=int, default=8200)
+    ap.add_argument("--stream-interval", type=int, default=1,
+                    help="tokens per streamed message, at least, for both servers (vLLM's "
+                         "--stream-interval and the router's)")
 
 
 def main() -> None:
