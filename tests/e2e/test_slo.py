@@ -88,20 +88,20 @@ def test_streams_that_would_miss_the_tpot_slo_are_refused_over_grpc_and_http(
         cl: ProcCluster, tiny_model_dir: Path) -> None:
     """A TPOT SLO below any decode step this host can take: the router admits while it knows
     nothing (three streams), learns their time per token from them, then refuses at once."""
-    static_router(cl, "T", (), (), ("C",), "--admit-tpot-slo", "0.0002")
-    stub = cl.generation(cl.by_name["T"])
+    static_router(cl, "V", (), (), ("C",), "--admit-tpot-slo", "0.0002")
+    stub = cl.generation(cl.by_name["V"])
     prompts = make_prompts(tiny_model_dir, [40] * 5, seed=43)
     for ids in prompts[:3]:
         assert len(_stream(stub, _request(ids, max_tokens=8, ignore_eos=True))[0]) == 8
-    before = cl.outcomes("T")
+    before = cl.outcomes("V")
     with pytest.raises(grpc.RpcError) as e:
         _stream(stub, _request(prompts[3], max_tokens=8))
     assert e.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     assert "predicted time per output token" in e.value.details()
     assert "exceeds the SLO of 0.2 ms" in e.value.details()
     assert int(dict(e.value.trailing_metadata())["grpc-retry-pushback-ms"]) >= 100
-    r = httpx.post(cl.by_name["T"].endpoints["http"] + "/v1/completions", timeout=60,
+    r = httpx.post(cl.by_name["V"].endpoints["http"] + "/v1/completions", timeout=60,
                    json={"model": Path(cl.model).name, "prompt": prompts[4], "max_tokens": 8})
     assert r.status_code == 429 and int(r.headers["retry-after"]) >= 1
     assert "time per output token" in r.json()["error"]["message"]
-    assert cl.outcomes("T")["rejected"] - before["rejected"] == 2
+    assert cl.outcomes("V")["rejected"] - before["rejected"] == 2
