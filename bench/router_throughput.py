@@ -51,9 +51,15 @@ class Throughput:
     def tokens_per_core_s(self) -> float:
         return self.tokens / max(self.router_cpu_s, 1e-9)
 
+    @property
+    def router_busy(self) -> float:
+        """Share of its core the router used: near 1 when it is what limits the rate, so the
+        row measures its capacity; lower when the source or the clients are the limit."""
+        return self.router_cpu_s / max(self.wall_s, 1e-9)
+
     def row(self) -> dict:
         return {**asdict(self), "us_per_token": self.us_per_token,
-                "tokens_per_core_s": self.tokens_per_core_s}
+                "tokens_per_core_s": self.tokens_per_core_s, "router_busy": self.router_busy}
 
 
 def cpu_seconds(pid: int) -> float:
@@ -138,10 +144,11 @@ async def _one(api: str, interval: int, target, pid: int, conc: int, seconds: fl
 
 def report(rows: list[Throughput]) -> None:
     print(f"{'api':5} {'streams':>7} {'interval':>8} {'tokens':>8} {'wall s':>7} "
-          f"{'router CPU s':>12} {'us/token':>9} {'tokens per core-s':>18}")
+          f"{'router CPU s':>12} {'busy':>5} {'us/token':>9} {'tokens per core-s':>18}")
     for t in rows:
         print(f"{t.api:5} {t.concurrency:7d} {t.stream_interval:8d} {t.tokens:8d} {t.wall_s:7.1f} "
-              f"{t.router_cpu_s:12.2f} {t.us_per_token:9.1f} {t.tokens_per_core_s:18.0f}")
+              f"{t.router_cpu_s:12.2f} {t.router_busy:5.0%} {t.us_per_token:9.1f} "
+              f"{t.tokens_per_core_s:18.0f}")
 
 
 def main() -> None:

@@ -29,6 +29,14 @@ from splitserve.v1 import common_pb2, registry_pb2, registry_pb2_grpc, worker_pb
 
 log = logging.getLogger(__name__)
 RETIRE_GRACE_S = 600.0  # longest a departed worker's channel stays open for requests on it
+# What the router receives from a worker is small (token batches, prefill replies; the KV goes
+# over the pair channel), so its channels keep HTTP/2's fixed 64 KiB window instead of letting
+# gRPC's bandwidth probe grow it to megabytes. A router that falls behind then holds its workers
+# back, and a worker's session batches what piled up into fewer, larger messages (decode_worker/
+# session.py); with the window grown, the worker sent thousands of tiny messages ahead and the
+# router spent its core reading them one by one. bench/router_throughput.py, 32 streams: about
+# 3x the tokens per core-second (docs/benchmarks.md).
+WORKER_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 
 def worker_stub(role: Role, channel: grpc.aio.Channel | grpc.Channel):
@@ -110,7 +118,7 @@ class WorkerRegistry(registry_pb2_grpc.RegistryServicer):
             return old
         if old is not None:
             self._retire(old)
-        channel = aio_channel(address, self._tls)
+        channel = aio_channel(address, self._tls, WORKER_CHANNEL_OPTIONS)
         stub = with_token(worker_stub(role, channel), self._token)
         if role is Role.PREFILL:  # its tickets pass on only if they name it (router/vouch.py)
             stub = VouchingPrefill(stub, engine_id, kv_address, self._ticket_key)
