@@ -14,18 +14,24 @@ before its next request on that connection (it holds the connection's lock throu
 Leaks: the segment is created through `multiprocessing.shared_memory`, whose resource tracker
 unlinks it if the consumer's process dies without doing so (SIGKILL included). The producer
 attaches by opening /dev/shm directly, so it never registers (and so never unlinks, nor warns
-about) a segment that is not its own. Linux only: elsewhere `available()` is false and the pair
-channel serves.
+about) a segment that is not its own. When the tracker dies too (a whole process group
+SIGKILLed), the segment would stay: so its creator holds an exclusive `flock` on it for its
+life, the kernel drops that lock with the creator's last descriptor however it dies, and each
+process sweeps unlocked segments before making its first (`sweep_orphans`). A lock rather than a
+pid in the name: two containers of one pod share /dev/shm but not their pid namespaces. Linux
+only: elsewhere `available()` is false and the pair channel serves.
 """
 
 from __future__ import annotations
 
+import fcntl
 import logging
 import mmap
 import os
 import re
 import secrets
 import sys
+import time
 import uuid
 from multiprocessing import shared_memory
 
@@ -44,9 +50,42 @@ def available() -> bool:
     return sys.platform == "linux" and os.path.isdir(_DIR)
 
 
+ORPHAN_MIN_AGE_S = 60.0  # younger segments are left alone: their creator may not hold the lock yet
+_swept = False  # once per process, before its first segment
+
+
 def leftover_segments() -> list[str]:
     """Our segments present in /dev/shm now (for leak checks)."""
     return sorted(n for n in os.listdir(_DIR) if n.startswith(PREFIX)) if available() else []
+
+
+def sweep_orphans(min_age_s: float = ORPHAN_MIN_AGE_S) -> list[str]:
+    """Unlink our segments that no live process holds (their creator died with its resource
+    tracker) and that were last changed over `min_age_s` ago; returns their names."""
+    removed = []
+    for name in leftover_segments():
+        path = os.path.join(_DIR, name)
+        try:
+            fd = os.open(path, os.O_RDONLY)
+        except OSError:
+            continue  # gone meanwhile, or not ours to open
+        try:
+            if time.time() - os.fstat(fd).st_mtime < min_age_s:
+                continue
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # its creator is alive
+            os.unlink(path)
+            removed.append(name)
+        except OSError as e:
+            log.debug("orphan segment %s not swept: %s", name, e)
+        finally:
+            os.close(fd)  # drops our lock too
+    if removed:
+        log.warning("removed %d shared-memory KV segment(s) left by dead processes: %s",
+                    len(removed), ", ".join(removed))
+    return removed
 
 
 class Segment:
@@ -66,9 +105,16 @@ class Segment:
         Its pages are reserved now: a tmpfs that is too small (a container's default /dev/shm
         is 64 MiB) would otherwise accept the size and kill whoever first touches a page
         beyond its room with SIGBUS."""
+        global _swept
+        if not _swept:
+            _swept = True
+            sweep_orphans()
         shm = shared_memory.SharedMemory(name=PREFIX + uuid.uuid4().hex[:24], create=True,
                                          size=max(nbytes, MIN_BYTES))
         try:
+            # Held until close() closes the descriptor, or the kernel does at our death:
+            # while it is held, no sweep takes the segment (module docstring).
+            fcntl.flock(shm._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.posix_fallocate(shm._fd, 0, shm.size)
         except OSError:
             shm.close()

@@ -109,9 +109,9 @@ class ProcCluster(ProcessSet):
             raise AssertionError(f"processes left behind: {survivors}")
         # Shared-memory KV segments go with their consumers (unlinked at shutdown, by the
         # producer when the connection ends, or by the resource tracker of a killed process).
-        # Not asserted here: the fault tests SIGKILL whole workers, and one such segment
-        # outlived the session in CI (a known leak, docs/kv-transfer.md); the KV modules'
-        # own leak checks are strict.
+        # Not asserted here: the fault tests SIGKILL whole workers, resource trackers and all,
+        # and their segments stay until the next process to make one sweeps them
+        # (shm.sweep_orphans, docs/kv-transfer.md); the KV modules' own leak checks are strict.
         for _ in range(50):
             if not shm.leftover_segments():
                 return
