@@ -8,7 +8,8 @@ Both engines: same model, dtype, KV cache bytes, block size, context length, pre
 the same engine core(s). Drivers: vLLM's `vllm bench serve` (bench/vllm_driver.py) and
 `splitserve bench`, both against the OpenAI HTTP front. For every rate, repeat and driver the two
 deployments run back to back (order alternating) on the same fresh random prompts: one seed per
-run, so no prefix-cache help and an identical workload for both.
+run, so no prefix-cache help and an identical workload for both. The drivers run on the cores
+the engine does not use, for both deployments.
 
     python bench/vs_vllm.py [--rates 1,2] [--repeats 2] [--num-prompts 40] [--json FILE]
                             [--profile DIR]
@@ -36,7 +37,7 @@ import urllib.request
 from pathlib import Path
 
 from bench.host import machine
-from deploy.placement import pin_serving
+from deploy.placement import free_cores, pin_serving
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
 from splitserve.roles import Role
@@ -93,7 +94,9 @@ def wait_http(url: str, timeout_s: float = 900.0) -> None:
 
 
 def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse.Namespace,
-          out: Path) -> dict:
+          out: Path, cores: set[int] | None = None) -> dict:
+    """One drive of `driver` against `url`; `cores`: where the load generator may run (none:
+    anywhere)."""
     lo, hi = a.input_len * (1 - a.range_ratio), a.input_len * (1 + a.range_ratio)
     olo, ohi = a.output_len * (1 - a.range_ratio), a.output_len * (1 + a.range_ratio)
     ttft, tpot = a.slo_ttft_ms, a.slo_tpot_ms
@@ -112,8 +115,11 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
                "--output-len", f"uniform:{olo:.0f}-{ohi:.0f}", "--rate", str(rate),
                "--seed", str(seed), "--slo", f"ttft={ttft},tpot={tpot}", "--no-progress",
                "--result-json", str(out)]
-    subprocess.run(cmd, cwd=ROOT, check=True, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    if cores:  # before its threads start: they inherit it
+        os.sched_setaffinity(p.pid, cores)
+    if p.wait() != 0:
+        raise subprocess.CalledProcessError(p.returncode, cmd)
     r = json.loads(out.read_text())
     if driver == "vllm":
         done = r["completed"]
@@ -167,6 +173,11 @@ def main() -> None:
         urls["vllm"] = f"http://127.0.0.1:{a.vllm_port}"
         pids = {"vllm": {"api-server": vllm.pid},
                 "splitserve": {p.name: p.popen.pid for p in procs.procs}}
+        # The load generator stays off the engine's core for both deployments: where the
+        # scheduler put it there, it took slices of the engine's steps, a cost neither server
+        # would pay with its clients on other hosts. It shares the rest with the serving
+        # processes (splitserve's pinned there, vLLM's free).
+        client_cores = free_cores([a.engine_cores])
         seed = a.seed
         rates = [float(r) for r in a.rates.split(",")]
         for rate in rates:
@@ -180,7 +191,7 @@ def main() -> None:
                         spies = profile(pids[dep], Path(a.profile), f"{dep}-rate{rate:g}") \
                             if prof else []
                         r = drive(driver, urls[dep], model, rate, seed, a,
-                                  tmp / f"{dep}-{driver}-{rate}-{rep}.json")
+                                  tmp / f"{dep}-{driver}-{rate}-{rep}.json", client_cores)
                         stop_profile(spies)
                         rows.append({"deployment": dep, "driver": driver, "rate": rate,
                                      "repeat": rep, "seed": seed, **r})
