@@ -248,6 +248,13 @@ class SplitServeConnector(KVConnectorBase_V1):
             assert self.consumer is not None
             self.consumer.release(ticket)
 
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        super().bind_connector_metadata(connector_metadata)
+        # Act before the step's forward pass: vLLM calls start_load_kv only after it when no
+        # load is in-step, and on a CPU a forward is synchronous, so a hold (and the pull that
+        # waits on it) or a pull would otherwise wait for the whole step: a long prefill.
+        self._take_meta()
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         self._take_meta()
 

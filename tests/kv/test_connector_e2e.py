@@ -191,6 +191,39 @@ def test_unpulled_lease_expires_and_a_late_pull_recomputes(cluster: Cluster,
     assert mon.snapshot().transfers.lease_expired >= 1
 
 
+def test_a_hold_does_not_wait_behind_the_next_prefill(cluster: Cluster) -> None:
+    """A short prompt finishes its prefill in the step that starts a long one; the long one's
+    rest is the next step. The short one's hold is registered before that step's forward pass,
+    so its KV travels (a pull waits for the hold) and it decodes its second token while the
+    long prompt is still prefilling. Registered after the forward (where vLLM calls
+    start_load_kv), the hand-off would wait for the whole long prefill: broken that way once,
+    this test failed."""
+    from vllm import SamplingParams
+
+    short, long = make_prompts(Path(cluster.model), [130, 3900], seed=21)
+    want = cluster.run(engine_greedy(cluster.C, [short], 2))[0]
+    pulls = cluster.monitors["D"].snapshot().transfers.transfers
+    done: list[str] = []
+
+    async def race() -> list[int]:
+        async def handed_off() -> list[int]:
+            tokens, _ = await disagg_greedy(cluster.P, cluster.D, short, 2, "behind-short")
+            done.append("short decoded")
+            return tokens
+
+        async def prefill_long() -> None:
+            await collect(cluster.P, long, SamplingParams(temperature=0.0, max_tokens=1),
+                          "behind-long")
+            done.append("long prefilled")
+
+        tokens, _ = await asyncio.gather(handed_off(), prefill_long())
+        return tokens
+
+    assert cluster.run(race()) == want
+    assert cluster.monitors["D"].snapshot().transfers.transfers == pulls + 1  # not recomputed
+    assert done == ["short decoded", "long prefilled"]
+
+
 def test_failure_policy_fail_ends_the_request_with_error(cluster: Cluster) -> None:
     (ids,) = make_prompts(Path(cluster.model), [140], seed=6)
     # A transfer id the producer never held: refused after its registration wait.
