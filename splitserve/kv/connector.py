@@ -2,7 +2,8 @@
 
 vLLM builds one instance per process role: the SCHEDULER half in the engine-core process decides
 *which* blocks move, the WORKER half in the worker process moves them (producer.py, consumer.py).
-They share nothing; the scheduler half sends `SplitServeMeta` to the worker once per step.
+They share nothing; the scheduler half sends `SplitServeMeta` to the worker once per step,
+which acts on it before that step's forward pass.
 What crosses between engines is a `KVTicket` (ticket.py), carried in vLLM's kv_transfer_params.
 
 Request lifecycle, producer (prefill) engine, params `produce_params(transfer_id)`:
