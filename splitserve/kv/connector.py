@@ -122,7 +122,6 @@ class SplitServeConnector(KVConnectorBase_V1):
         self.spec: KVSpec | None = None  # read off the caches at registration
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
-        self._last_meta: KVConnectorMetadata | None = None
         self._load_errors: set[int] = set()  # blocks of failed in-step loads, for vLLM
 
     # ===================================== scheduler half ====================================
@@ -227,14 +226,13 @@ class SplitServeConnector(KVConnectorBase_V1):
         assert self.spec is not None
         return SplitServeHandshake(self.producer.side_port, self.spec.fingerprint())
 
-    def _take_meta(self) -> None:
-        """Act on this step's metadata once (it is visible to several hooks per step)."""
-        if not self.has_connector_metadata():
-            return
-        meta = self._get_connector_metadata()
-        if meta is self._last_meta:
-            return
-        self._last_meta = meta
+    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
+        """The one place the worker half acts on a step's metadata: vLLM binds it once per step,
+        before the forward pass. (start_load_kv comes after the forward when no load is
+        in-step, and on a CPU the forward is synchronous, so a hold, and the pull that waits on
+        it, or a pull would wait for the whole step there: a long prefill.)"""
+        super().bind_connector_metadata(connector_metadata)
+        meta = connector_metadata
         assert isinstance(meta, SplitServeMeta)
         for h in meta.hold:
             assert self.producer is not None
@@ -249,15 +247,8 @@ class SplitServeConnector(KVConnectorBase_V1):
             assert self.consumer is not None
             self.consumer.release(ticket)
 
-    def bind_connector_metadata(self, connector_metadata: KVConnectorMetadata) -> None:
-        super().bind_connector_metadata(connector_metadata)
-        # Act before the step's forward pass: vLLM calls start_load_kv only after it when no
-        # load is in-step, and on a CPU a forward is synchronous, so a hold (and the pull that
-        # waits on it) or a pull would otherwise wait for the whole step: a long prefill.
-        self._take_meta()
-
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
-        self._take_meta()
+        return  # the step's loads started (or, in-step, ran) when its metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
         return  # whole-request async loads: the request is not scheduled until they finish
@@ -270,7 +261,6 @@ class SplitServeConnector(KVConnectorBase_V1):
         return
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
-        self._take_meta()
         out = KVConnectorTransferResults()
         if self.producer is not None:
             out.finished_sending = self.producer.take_finished()
