@@ -19,13 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
 
 from router.errors import RequestFailed, WorkerFailed
+from router.ids import new_id
 from router.registry import Worker
 from router.session import Broken
 from splitserve.v1 import common_pb2, worker_pb2
@@ -80,12 +80,12 @@ def _left(deadline: float | None) -> float | None:
     return None if deadline is None else max(deadline - time.monotonic(), 0.001)
 
 
-async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
+async def run_flow(request_id: str, prompt_ids: Sequence[int], sampling: common_pb2.SamplingParams,
                    prefill: Worker | None, decode: Worker, deadline: float | None,
                    timings: FlowTimings) -> AsyncIterator[TokenEvent]:
     # Clients may reuse a request id (or send two at once): what the workers see is made
     # unique here, so engine request ids, session ids and transfer ids never collide.
-    request_id = f"{request_id}-{uuid.uuid4().hex[:8]}"
+    request_id = f"{request_id}-{new_id()}"
     if prefill is None:
         async for ev in _decode(request_id, prompt_ids, sampling, None, decode, deadline,
                                 timings):
@@ -109,8 +109,8 @@ async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.
             log.info("request %s: the KV lease of transfer %s ran out before Decode; the decode "
                      "worker prefills instead", request_id, transfer_id)
             ticket = None
-        async for ev in _decode(request_id, [*prompt_ids, resp.first_token_id],
-                                remaining(sampling, 1), ticket, decode, deadline, timings):
+        async for ev in _decode(request_id, prompt_ids, remaining(sampling, 1), ticket, decode,
+                                deadline, timings, then=resp.first_token_id):
             owed = False  # the decode side has pulled (or given up on) the KV
             yield ev
     finally:
@@ -118,7 +118,7 @@ async def run_flow(request_id: str, prompt_ids: list[int], sampling: common_pb2.
             _release_soon(prefill, transfer_id)
 
 
-async def _prefill(request_id: str, transfer_id: str, prompt_ids: list[int],
+async def _prefill(request_id: str, transfer_id: str, prompt_ids: Sequence[int],
                    sampling: common_pb2.SamplingParams, w: Worker, deadline: float | None,
                    timings: FlowTimings) -> worker_pb2.PrefillResponse:
     req = worker_pb2.PrefillRequest(request_id=f"{request_id}-p", prompt_token_ids=prompt_ids,
@@ -146,15 +146,19 @@ async def _prefill(request_id: str, transfer_id: str, prompt_ids: list[int],
     return resp
 
 
-async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.SamplingParams,
-                  ticket: common_pb2.KvTicket | None, w: Worker, deadline: float | None,
-                  timings: FlowTimings) -> AsyncIterator[TokenEvent]:
+async def _decode(request_id: str, prompt_ids: Sequence[int],
+                  sampling: common_pb2.SamplingParams, ticket: common_pb2.KvTicket | None,
+                  w: Worker, deadline: float | None, timings: FlowTimings,
+                  then: int | None = None) -> AsyncIterator[TokenEvent]:
     """The decode worker's events for this request, over the worker's shared session. Events
     that are already waiting are merged into one: the client gets one message for them (the
-    session drops a request's inbox at its last event, so a finish is always the last)."""
+    session drops a request's inbox at its last event, so a finish is always the last).
+    `then`: the prefill worker's first token, which the decode side continues from."""
     rid = f"{request_id}-d"
     req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
                                    sampling=sampling)
+    if then is not None:  # appended to the message, not to a copy of the prompt
+        req.prompt_token_ids.append(then)
     if ticket is not None:
         req.ticket.CopyFrom(ticket)
     assert w.session is not None, "decode-capable workers have a session"
@@ -162,7 +166,7 @@ async def _decode(request_id: str, prompt_ids: list[int], sampling: common_pb2.S
     done = False
     try:
         async with asyncio.timeout(_left(deadline)):
-            inbox = await w.session.start(req)
+            inbox = w.session.start(req)
             while not done:
                 tokens: list[int] = []
                 logprobs: list[float] = []

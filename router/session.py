@@ -5,7 +5,8 @@ registers the request's inbox and sends `start` → a reader task takes the work
 puts each event in its request's inbox → the request's consumer (flow.py) takes what its inbox
 holds until the finish event → `cancel_soon(id)` when it stops early. If the stream breaks
 (worker gone), every request still on it gets a `Broken` carrying the status; the next `start`
-opens afresh. Writes are serialised (a gRPC stream takes one at a time).
+opens afresh. One writer task per stream sends what `start` and `cancel_soon` queue, in order
+(a gRPC stream takes one write at a time).
 """
 
 from __future__ import annotations
@@ -73,54 +74,70 @@ class DecodeSession:
         self._name = name
         self._call = None
         self._queues: dict[str, Inbox] = {}
-        self._write_lock = asyncio.Lock()
+        # What start and cancel_soon send, in order, for the writer of the stream now open.
+        self._outbox: collections.deque[worker_pb2.SessionRequest] = collections.deque()
+        self._pending = asyncio.Event()
+        self._writer: asyncio.Task | None = None
         self._tasks: set[asyncio.Task] = set()
 
-    async def start(self, req: worker_pb2.DecodeRequest) -> Inbox:
+    def start(self, req: worker_pb2.DecodeRequest) -> Inbox:
         """The inbox the request's events (or a Broken) will arrive in. Request ids must be
-        unique among the requests running on this session (the router makes them so)."""
+        unique among the requests running on this session (the router makes them so).
+
+        Does not wait for the write: the writer task sends it, and the request's coroutine wakes
+        once, for its first event. Awaiting each write cost a task, a lock and a wake-up per
+        request on the way to the first token, and its shield (a request cancelled mid-write
+        must not cancel the shared stream) is not needed when no request writes."""
         if req.request_id in self._queues:
             raise ValueError(f"request {req.request_id!r} is already running on {self._name}")
         q = Inbox()
-        self._queues[req.request_id] = q
         try:
-            # Opening fails too when the worker was dropped (its channel closed) after this
-            # request was routed to it: a worker failure like any other, so it migrates.
-            call = self._open()
-            # Shielded: a request cancelled mid-write (the client left) must not cancel the
-            # shared stream's write, which ends the stream for every request on it.
-            await asyncio.shield(self._write(call, worker_pb2.SessionRequest(start=req)))
+            # Fails when the worker was dropped (its channel closed) after this request was
+            # routed to it: a worker failure like any other, so it migrates.
+            self._open()
         except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            self._queues.pop(req.request_id, None)
             q.put(Broken(grpc.StatusCode.UNAVAILABLE,
-                                f"decode session to {self._name} is down: {e}"))
+                         f"decode session to {self._name} is down: {e}"))
+            return q
+        self._queues[req.request_id] = q
+        self._send(worker_pb2.SessionRequest(start=req))
         return q
 
     def cancel_soon(self, request_id: str) -> None:
         """Stop the request on the worker (without waiting: callers may be unwinding)."""
         if self._queues.pop(request_id, None) is None or self._call is None:
             return
-        task = asyncio.ensure_future(
-            self._write(self._call, worker_pb2.SessionRequest(cancel=request_id)))
-        self._tasks.add(task)
-        task.add_done_callback(self._done)
+        self._send(worker_pb2.SessionRequest(cancel=request_id))
 
-    def _done(self, task: asyncio.Task) -> None:
-        self._tasks.discard(task)
-        if not task.cancelled() and task.exception() is not None:
-            log.debug("cancel on %s not sent: %s", self._name, task.exception())
+    def _send(self, msg: worker_pb2.SessionRequest) -> None:
+        self._outbox.append(msg)
+        self._pending.set()
 
     def _open(self):
         if self._call is None:
             self._call = call = self._stub.DecodeSession()
-            task = asyncio.ensure_future(self._read(call))
-            self._tasks.add(task)
-            task.add_done_callback(self._tasks.discard)
+            self._writer = self._spawn(self._write(call))
+            self._spawn(self._read(call))
         return self._call
 
-    async def _write(self, call, msg: worker_pb2.SessionRequest) -> None:
-        async with self._write_lock:
-            await call.write(msg)
+    def _spawn(self, coro) -> asyncio.Task:
+        task = asyncio.ensure_future(coro)
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+        return task
+
+    async def _write(self, call) -> None:
+        """Sends the outbox on `call`, one message at a time (a gRPC stream takes one write at
+        a time). A failed write ends here; the reader sees the stream end and fails its
+        requests."""
+        try:
+            while True:
+                await self._pending.wait()
+                self._pending.clear()
+                while self._outbox:
+                    await call.write(self._outbox.popleft())
+        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
+            log.debug("decode session to %s: write failed: %s", self._name, e)
 
     async def _read(self, call) -> None:
         broken = Broken(grpc.StatusCode.UNAVAILABLE, f"decode session to {self._name} ended")
@@ -143,6 +160,11 @@ class DecodeSession:
         finally:
             if self._call is call:
                 self._call = None
+                # What was queued for this stream must not start on the next one: its requests
+                # get Broken below and migrate.
+                self._outbox.clear()
+                if self._writer is not None:
+                    self._writer.cancel()
             for q in self._queues.values():
                 q.put(broken)
             self._queues.clear()

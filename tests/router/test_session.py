@@ -98,7 +98,7 @@ def run(test) -> None:
 
 def test_concurrent_requests_share_one_stream_in_batches() -> None:
     async def test(engine, session, server) -> None:
-        queues = [await session.start(req(f"r{i}", n=20)) for i in range(16)]
+        queues = [session.start(req(f"r{i}", n=20)) for i in range(16)]
         results = await asyncio.gather(*(collect(q) for q in queues))
         for events in results:
             tokens = [t for ev in events for t in ev.output.token_ids]
@@ -112,8 +112,8 @@ def test_concurrent_requests_share_one_stream_in_batches() -> None:
 def test_a_finished_request_leaves_nothing_behind() -> None:
     async def test(engine, session, server) -> None:
         for _ in range(3):  # the same id again: allowed once the previous one finished
-            assert len(await collect(await session.start(req("again", n=3)))) >= 1
-        bad = await session.start(req("bad", prompt=(1,)))
+            assert len(await collect(session.start(req("again", n=3)))) >= 1
+        bad = session.start(req("bad", prompt=(1,)))
         assert (await collect(bad))[-1].error_code
         assert session._queues == {}
 
@@ -122,8 +122,8 @@ def test_a_finished_request_leaves_nothing_behind() -> None:
 
 def test_cancel_stops_one_request_on_the_worker() -> None:
     async def test(engine, session, server) -> None:
-        endless = await session.start(req("endless", prompt=(3,)))
-        normal = await session.start(req("normal", n=50))
+        endless = session.start(req("endless", prompt=(3,)))
+        normal = session.start(req("normal", n=50))
         await endless.get()
         session.cancel_soon("endless")
         events = await collect(normal)
@@ -141,8 +141,8 @@ def test_cancel_stops_one_request_on_the_worker() -> None:
                                               ((2,), grpc.StatusCode.UNAVAILABLE)])
 def test_a_failed_request_gets_its_status_and_others_go_on(prompt, code) -> None:
     async def test(engine, session, server) -> None:
-        bad = await session.start(req("bad", prompt=prompt))
-        good = await session.start(req("good", n=10))
+        bad = session.start(req("bad", prompt=prompt))
+        good = session.start(req("good", n=10))
         (ev,) = await collect(bad)
         assert ev.error_code == code.value[0] and ev.error_message
         assert len(await collect(good)) >= 1
@@ -152,9 +152,9 @@ def test_a_failed_request_gets_its_status_and_others_go_on(prompt, code) -> None
 
 def test_a_request_id_twice_is_refused_by_both_sides() -> None:
     async def test(engine, session, server) -> None:
-        await session.start(req("same", prompt=(3,)))
+        session.start(req("same", prompt=(3,)))
         with pytest.raises(ValueError, match="already"):
-            await session.start(req("same", n=3))
+            session.start(req("same", n=3))
         # A caller that is not our router: the worker refuses the second one itself.
         call = session._stub.DecodeSession()
         await call.write(worker_pb2.SessionRequest(start=req("twin", prompt=(3,))))
@@ -173,14 +173,14 @@ def test_a_request_id_twice_is_refused_by_both_sides() -> None:
 
 def test_a_broken_stream_fails_every_request_on_it() -> None:
     async def test(engine, session, server) -> None:
-        queues = [await session.start(req(f"r{i}", prompt=(3,))) for i in range(4)]
+        queues = [session.start(req(f"r{i}", prompt=(3,))) for i in range(4)]
         for q in queues:
             await q.get()
         await server.stop(0)  # the worker goes away mid-stream
         for q in queues:
             ev = (await collect(q))[-1]
             assert isinstance(ev, Broken) and ev.code == grpc.StatusCode.UNAVAILABLE
-        late = await session.start(req("late"))  # a new stream is tried, and fails cleanly
+        late = session.start(req("late"))  # a new stream is tried, and fails cleanly
         assert isinstance((await collect(late))[-1], Broken)
 
     run(test)
