@@ -16,7 +16,6 @@ import contextlib
 import logging
 import random
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
 from dataclasses import dataclass, replace
 
@@ -32,6 +31,7 @@ from router.errors import (
     cancelled_outcome,
 )
 from router.flow import FlowTimings, TokenEvent, remaining, run_flow
+from router.ids import new_id
 from router.metrics import RequestTrace, RouterMetrics
 from router.policy import choose_decode, choose_prefill, prefix_key
 from router.registry import Worker, WorkerRegistry
@@ -163,14 +163,18 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             trace.finish("error")  # no-op unless something unexpected escaped
 
     def prepare(self, request: generation_pb2.GenerateRequest
-                ) -> tuple[list[int], common_pb2.SamplingParams, tuple[str, ...]]:
-        """Validate and tokenise; shared with the HTTP front. Raises InvalidArgument."""
+                ) -> tuple[Sequence[int], common_pb2.SamplingParams, tuple[str, ...]]:
+        """Validate and tokenise; shared with the HTTP front. Raises InvalidArgument.
+
+        Token ids stay in the request's own repeated field: the worker requests copy it in C,
+        where a Python list of a 2,000-token prompt took ~0.1 ms to make and as long to copy
+        into each worker request."""
         check_model(request.model, self.model_names)
         validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
                         max_model_len=self.cfg.max_model_len)
         kind = request.WhichOneof("prompt")
         if kind == "token_ids":
-            ids = list(request.token_ids.ids)
+            ids = request.token_ids.ids
         else:  # a text prompt's length is known only now
             if kind == "messages":  # the template writes the special tokens itself
                 if self.chat is None:
@@ -217,7 +221,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         t0 = trace.arrival
         deadline = None if timeout is None else time.monotonic() + max(
             timeout - DEADLINE_MARGIN_S, 0.0)
-        rid = request.request_id if request.HasField("request_id") else uuid.uuid4().hex
+        rid = request.request_id if request.HasField("request_id") else new_id()
         ids, sp, stops = self.prepare(request)
         if self.ttft_admission is not None:
             self.ttft_admission.check(self.prefill_meter, len(ids))
@@ -228,7 +232,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         meter.start(n_prompt)
         streams.joined()
         answered, mark, n_out, finish = False, None, 0, None
-        m.waiting.labels(m.model).inc()
+        m.waiting_m.inc()
         try:
             await self.admission.acquire()
         except BaseException:
@@ -236,8 +240,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             streams.left(None)
             raise
         finally:
-            m.waiting.labels(m.model).dec()
-        m.running.labels(m.model).inc()
+            m.waiting_m.dec()
+        m.running_m.inc()
         try:
             queue_s = time.perf_counter() - t0
             timings = FlowTimings()
@@ -285,7 +289,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                 streams.finished(mark, n_out)
             else:
                 streams.left(mark)
-            m.running.labels(m.model).dec()
+            m.running_m.dec()
             self.admission.release()
 
     async def _migrating(self, rid: str, ids: list[int], sp: common_pb2.SamplingParams,
@@ -303,12 +307,13 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                          prompt_ids=ids)
             track = None
             if self.split is not None:  # conditional disaggregation (router/split.py)
-                placement = self.split.place([*ids, *out], prefill, decode)
+                placement = self.split.place([*ids, *out] if out else ids, prefill, decode)
                 prefill = prefill if placement.remote else None
                 track = self.split.started(placement, prefill, decode)
             if not failed:
                 trace.admitted(len(ids), prefill is not None)
-            flow = run_flow(rid, [*ids, *out], remaining(sp, len(out)), prefill, decode,
+            flow = run_flow(rid, [*ids, *out] if out else ids, remaining(sp, len(out)),
+                            prefill, decode,
                             deadline, timings)
             try:
                 async with contextlib.aclosing(flow):

@@ -13,7 +13,6 @@ import contextlib
 import json
 import json.encoder
 import time
-import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
 
@@ -24,6 +23,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from router.errors import InvalidArgument, RequestFailed
 from router.generation import GenerationService
+from router.ids import new_id
 from router.slo import Overloaded
 from splitserve.credentials import matches
 from splitserve.v1 import common_pb2, generation_pb2
@@ -216,7 +216,7 @@ def _sampling(body: dict[str, Any], req: generation_pb2.GenerateRequest) -> None
 async def _run(service: GenerationService, request: Request,
                req: generation_pb2.GenerateRequest, body: dict[str, Any], chat: bool):
     _sampling(body, req)
-    rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+    rid = f"{'chatcmpl' if chat else 'cmpl'}-{new_id()}"
     req.request_id = rid
     timeout = body.get("timeout")
     limit = service.cfg.limits.max_timeout_s

@@ -67,16 +67,19 @@ class RouterMetrics:
                                     registry=registry)
         self.workers = Gauge("splitserve:workers", "Live workers by role", [*labels, "role"],
                              registry=registry)
-        # Export zeros: rate() and the dashboard work from the first request on.
-        for outcome in OUTCOMES:
-            self.requests.labels(model, outcome)
-        self.running.labels(model)
-        self.waiting.labels(model)
-        # The children every request touches, looked up once (labels() costs a lock and a hash
-        # per call, and some run for every token).
+        # The children every request touches, looked up once: labels() costs a lock and a hash
+        # per call, a request touches a dozen, and some run for every token. Looking them up
+        # here also exports zeros, so rate() and the dashboard work from the first request on.
+        self.outcome_m = {o: self.requests.labels(model, o) for o in OUTCOMES}
+        self.running_m, self.waiting_m = self.running.labels(model), self.waiting.labels(model)
         self.ttft_m, self.itl_m = self.ttft.labels(model), self.itl.labels(model)
         self.migrations_m = self.migrations.labels(model)
         self.tpot_m, self.e2e_m = self.tpot.labels(model), self.e2e.labels(model)
+        self.queue_m = self.queue.labels(model)
+        self.routing_m = {remote: self.routing.labels(model, "remote" if remote else "local")
+                          for remote in (True, False)}
+        self.prompt_tokens_m = self.prompt_tokens.labels(model)
+        self.generation_tokens_m = self.generation_tokens.labels(model)
 
     def trace(self) -> RequestTrace:
         return RequestTrace(self)
@@ -95,8 +98,8 @@ class RequestTrace:
     def admitted(self, num_prompt: int, remote_prefill: bool) -> None:
         m = self.metrics
         self.num_prompt = num_prompt
-        m.queue.labels(m.model).observe(time.perf_counter() - self.arrival)
-        m.routing.labels(m.model, "remote" if remote_prefill else "local").inc()
+        m.queue_m.observe(time.perf_counter() - self.arrival)
+        m.routing_m[remote_prefill].inc()
 
     def tokens(self, n: int) -> None:
         if n <= 0:
@@ -116,12 +119,12 @@ class RequestTrace:
             return
         self.done = True
         m = self.metrics
-        m.requests.labels(m.model, outcome).inc()
+        m.outcome_m[outcome].inc()
         if outcome != "finished":
             return
         now = time.perf_counter()
         m.e2e_m.observe(now - self.arrival)
-        m.prompt_tokens.labels(m.model).inc(self.num_prompt)
-        m.generation_tokens.labels(m.model).inc(self.num_out)
+        m.prompt_tokens_m.inc(self.num_prompt)
+        m.generation_tokens_m.inc(self.num_out)
         if self.num_out > 1 and self.first_token_at is not None:
             m.tpot_m.observe((now - self.first_token_at) / (self.num_out - 1))

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import hashlib
 import time
-from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from router.registry import Worker
 from router.slo import PrefillMeter
@@ -49,7 +50,7 @@ def block_hashes(prompt_ids: Sequence[int], block_size: int) -> list[bytes]:
     equal digests mean equal prefixes (vLLM's prefix cache matches whole blocks the same way)."""
     if block_size <= 0:
         return []
-    raw = array("I", prompt_ids).tobytes()
+    raw = np.array(prompt_ids, dtype=np.uint32).tobytes()  # in C; array() looped per id
     step = 4 * block_size
     out, prev = [], b""
     for start in range(0, len(raw) - step + 1, step):

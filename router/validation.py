@@ -25,6 +25,7 @@ MAX_LOGPROBS = 20  # what the OpenAI API allows; the engines are configured to m
 MAX_REQUEST_ID_CHARS = 256  # it names the request in every worker's ids and logs
 # Beyond this a stream is one message at the end anyway (max_tokens is at most the context).
 MAX_STREAM_INTERVAL = 1 << 20
+_DEFAULTS = Sampling()
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ def validate_sampling(
     default_max_tokens: int = DEFAULT_MAX_TOKENS,
 ) -> Sampling:
     """Check `sp` against the rules below and fill in defaults; raise InvalidArgument."""
-    d = Sampling()
+    d = _DEFAULTS
     temperature = d.temperature
     if sp.HasField("temperature"):
         temperature = _number("sampling.temperature", sp.temperature)
