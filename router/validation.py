@@ -8,7 +8,7 @@ got 3.0"; nothing reaches a worker. The returned `Sampling` has every default fi
 code downstream never checks proto field presence again (defaults: splitserve/sampling.py).
 
 Field names in errors are proto paths ("sampling.top_p", "token_ids", ...) so clients can map
-them back to what they sent. Only stdlib and generated protobuf modules: no torch, no vllm.
+them back to what they sent. Only stdlib, numpy and generated protobuf modules: no torch, no vllm.
 """
 
 from __future__ import annotations
@@ -16,6 +16,8 @@ from __future__ import annotations
 import math
 from collections.abc import Collection
 from dataclasses import dataclass
+
+import numpy as np
 
 from router.errors import InvalidArgument
 from splitserve.sampling import DEFAULT_MAX_TOKENS, Sampling
@@ -26,6 +28,12 @@ MAX_REQUEST_ID_CHARS = 256  # it names the request in every worker's ids and log
 # Beyond this a stream is one message at the end anyway (max_tokens is at most the context).
 MAX_STREAM_INTERVAL = 1 << 20
 _DEFAULTS = Sampling()
+# Prompts of up to this many token ids are range-checked in a Python loop, longer ones with numpy.
+# The loop costs ~80 ns an id (0.16 ms at 2,048 ids, all of it before the first token); numpy
+# ~10 µs at any length once warm, but more than the loop on a short prompt when the router's
+# core has idled between requests and its caches are cold (+0.12 ms per 64-token request
+# through the router, measured with temporary time stamps).
+_LOOP_MAX_IDS = 256
 
 
 @dataclass(frozen=True)
@@ -196,11 +204,15 @@ def validate_prompt(
     ids = req.token_ids.ids
     if not ids:
         raise InvalidArgument("token_ids", "must not be empty")
-    for pos, t in enumerate(ids):
-        if not 0 <= t < vocab_size:
-            raise InvalidArgument(
-                "token_ids", f"id {t} at position {pos} is outside the vocabulary [0, {vocab_size})"
-            )
+    if len(ids) <= _LOOP_MAX_IDS:
+        bad = next((p for p, t in enumerate(ids) if not 0 <= t < vocab_size), None)
+    else:  # one pass in C
+        a = np.array(ids, dtype=np.int64)
+        bad = (int(np.flatnonzero((a < 0) | (a >= vocab_size))[0])
+               if a.min() < 0 or a.max() >= vocab_size else None)
+    if bad is not None:
+        raise InvalidArgument("token_ids", f"id {ids[bad]} at position {bad} is outside the "
+                                           f"vocabulary [0, {vocab_size})")
     _check_len("token_ids", len(ids), max_model_len)
 
 

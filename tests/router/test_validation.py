@@ -175,6 +175,14 @@ def test_prompt_rules() -> None:
     err = rejects("token_ids", check_prompt, out_of_vocab)
     assert "4096" in err.message and "position 1" in err.message
     rejects("token_ids", check_prompt, prompt(token_ids=generation_pb2.TokenIds(ids=[-1])))
+    # Long prompts are checked another way (numpy); the same rule and the same message.
+    long = [7] * 3000
+    check_prompt(prompt(token_ids=generation_pb2.TokenIds(ids=[0, *long, VOCAB - 1])))
+    for bad, pos in ((VOCAB, 2999), (-3, 1234)):
+        ids = list(long)
+        ids[pos] = bad
+        err = rejects("token_ids", check_prompt, prompt(token_ids=generation_pb2.TokenIds(ids=ids)))
+        assert f"id {bad} at position {pos}" in err.message, err.message
     err = rejects(
         "token_ids",
         check_prompt,
