@@ -24,8 +24,9 @@ from __future__ import annotations
 
 import hashlib
 import random
-from array import array
 from collections.abc import Sequence
+
+import numpy as np
 
 from router.registry import Worker
 
@@ -34,13 +35,30 @@ from router.registry import Worker
 _SLACK = 1.25
 
 
+def block_hashes(prompt_ids: Sequence[int], block_size: int,
+                 limit: int | None = None) -> list[bytes]:
+    """One digest per full KV block of the prompt (the first `limit` blocks), each covering
+    everything before it too: equal digests mean equal prefixes (vLLM's prefix cache matches
+    whole blocks the same way). What the router remembers of workers' caches (router/split.py)
+    and what prefix affinity routes by are the same digests."""
+    if block_size <= 0:
+        return []
+    n = len(prompt_ids) // block_size
+    n = n if limit is None else min(n, limit)
+    raw = np.array(prompt_ids[:n * block_size], dtype=np.uint32).tobytes()  # one pass, in C
+    step = 4 * block_size
+    out, prev = [], b""
+    for start in range(0, n * step, step):
+        prev = hashlib.blake2b(prev + raw[start:start + step], digest_size=16).digest()
+        out.append(prev)
+    return out
+
+
 def prefix_key(prompt_ids: Sequence[int], block_size: int) -> bytes | None:
-    """What requests sharing a cached prefix have in common: a digest of the prompt's first full
-    KV block (vLLM caches whole blocks only). None when the prompt fills no block."""
-    if block_size <= 0 or len(prompt_ids) < block_size:
-        return None
-    head = array("I", prompt_ids[:block_size]).tobytes()  # per request: one copy, not 128
-    return hashlib.blake2b(head, digest_size=8).digest()
+    """What requests sharing a cached prefix have in common: the digest of the prompt's first
+    full KV block (vLLM caches whole blocks only). None when the prompt fills no block."""
+    first = block_hashes(prompt_ids, block_size, limit=1)
+    return first[0] if first else None
 
 
 def _weight(worker_id: str, key: bytes) -> bytes:

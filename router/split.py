@@ -30,33 +30,18 @@ unless it is shorter than `--local-prefill-threshold` or the request asks for a 
 
 from __future__ import annotations
 
-import hashlib
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-import numpy as np
-
+from router.policy import block_hashes
 from router.registry import Worker
 from router.slo import PrefillMeter
 
 _DECAY = 0.9  # weight of the past in the hand-off estimates (about the last ten requests)
 _MAX_REMEMBERED = 65536  # block hashes kept per worker when it reports no KV capacity
 
-
-def block_hashes(prompt_ids: Sequence[int], block_size: int) -> list[bytes]:
-    """One digest per full KV block of the prompt, each covering everything before it too:
-    equal digests mean equal prefixes (vLLM's prefix cache matches whole blocks the same way)."""
-    if block_size <= 0:
-        return []
-    raw = np.array(prompt_ids, dtype=np.uint32).tobytes()  # in C; array() looped per id
-    step = 4 * block_size
-    out, prev = [], b""
-    for start in range(0, len(raw) - step + 1, step):
-        prev = hashlib.blake2b(prev + raw[start:start + step], digest_size=16).digest()
-        out.append(prev)
-    return out
 
 
 class PrefixMemory:

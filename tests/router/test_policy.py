@@ -5,7 +5,7 @@ from __future__ import annotations
 import random
 from collections import Counter
 
-from router.policy import choose_decode, choose_prefill, prefix_key
+from router.policy import block_hashes, choose_decode, choose_prefill, prefix_key
 from router.registry import Worker
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, registry_pb2
@@ -36,6 +36,10 @@ def test_prefix_key_is_the_first_full_block() -> None:
     assert prefix_key(_prompt(1, 1), BLOCK) == prefix_key(_prompt(1, 2), BLOCK)
     assert prefix_key(_prompt(1, 1), BLOCK) != prefix_key(_prompt(2, 1), BLOCK)
     assert prefix_key(_prompt(1, 1), 0) is None  # a static worker whose block size is unknown
+    # The same digest the router remembers workers' caches by (router/split.py), one spelling.
+    long = _prompt(1, 1) + _prompt(2, 1)
+    assert prefix_key(long, BLOCK) == block_hashes(long, BLOCK)[0]
+    assert block_hashes(long, BLOCK, limit=1) == block_hashes(long, BLOCK)[:1]
 
 
 def test_a_shared_prefix_goes_to_one_prefill_worker_and_prefixes_spread() -> None:

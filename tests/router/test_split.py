@@ -7,7 +7,8 @@ import random
 
 import pytest
 
-from router.split import PrefillSplit, PrefixMemory, block_hashes
+from router.policy import block_hashes
+from router.split import PrefillSplit, PrefixMemory
 from splitserve.roles import Role
 from tests.router.test_policy import BLOCK, _worker
 from tests.router.test_slo import Clock
