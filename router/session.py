@@ -128,16 +128,18 @@ class DecodeSession:
 
     async def _write(self, call) -> None:
         """Sends the outbox on `call`, one message at a time (a gRPC stream takes one write at
-        a time). A failed write ends here; the reader sees the stream end and fails its
-        requests."""
+        a time). A stream that cannot be written to is ended, whatever the error: the reader
+        then fails its requests (they migrate) instead of their starts waiting unsent."""
         try:
             while True:
                 await self._pending.wait()
                 self._pending.clear()
                 while self._outbox:
                     await call.write(self._outbox.popleft())
-        except (grpc.aio.AioRpcError, grpc.aio.UsageError, asyncio.InvalidStateError) as e:
-            log.debug("decode session to %s: write failed: %s", self._name, e)
+        except Exception as e:
+            log.info("decode session to %s: write failed (%s: %s); ending the stream",
+                     self._name, type(e).__name__, e)
+            call.cancel()
 
     async def _read(self, call) -> None:
         broken = Broken(grpc.StatusCode.UNAVAILABLE, f"decode session to {self._name} ended")

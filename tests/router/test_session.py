@@ -184,3 +184,22 @@ def test_a_broken_stream_fails_every_request_on_it() -> None:
         assert isinstance((await collect(late))[-1], Broken)
 
     run(test)
+
+
+def test_a_stream_that_cannot_be_written_fails_its_requests_instead_of_hanging() -> None:
+    async def test(engine, session, server) -> None:
+        assert not isinstance((await collect(session.start(req("first", n=3))))[-1], Broken)
+        endless = session.start(req("endless", prompt=(3,)))
+        await endless.get()  # running on the worker when the stream goes bad
+
+        async def refused(msg) -> None:
+            raise RuntimeError("the transport refused the message")
+
+        session._call.write = refused  # the stream's next write fails
+        unsent = session.start(req("unsent", n=3))
+        for q in (unsent, endless):  # both fail over (and would migrate), neither waits on
+            assert isinstance((await collect(q))[-1], Broken)
+        # The next request opens a fresh stream and is served.
+        assert not isinstance((await collect(session.start(req("after", n=3))))[-1], Broken)
+
+    run(test)
