@@ -8,6 +8,7 @@ disaggregated deployment is tuned for, rather than raw throughput.
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -54,6 +55,22 @@ class RequestResult:
         """Gaps between consecutive chunks (inter-token latency as streamed)."""
         t = self.chunk_times
         return [b - a for a, b in zip(t, t[1:])]
+
+
+def streams_at_first_token(results: Sequence[RequestResult]) -> list[int | None]:
+    """For each request, how many others were streaming (between their first token and their
+    last) when its first token arrived; None for a request without one. Zero means the decode
+    side had nothing else to run when this request's KV was on its way, so its next step could
+    start as soon as the KV landed; otherwise a step of the others' was under way, and the
+    request waits for it to end (up to one step) before its own."""
+    spans = [(r.chunk_times[0], r.chunk_times[-1]) for r in results if r.ok and r.chunk_times]
+    starts = sorted(a for a, _ in spans)
+    ends = sorted(b for _, b in spans)
+
+    def streaming(t: float) -> int:  # started before t, not ended before it (itself starts at t)
+        return bisect.bisect_left(starts, t) - bisect.bisect_left(ends, t)
+
+    return [streaming(r.chunk_times[0]) if r.ok and r.chunk_times else None for r in results]
 
 
 _SLO_KEYS = {"ttft": "ttft_ms", "tpot": "tpot_ms", "e2el": "e2el_ms"}

@@ -89,16 +89,22 @@ def run_variant(model: str, roles: list[Role], name: str, worker_args: list[str]
             "workers": workers}
 
 
-def handoff(requests: list[dict]) -> dict[str, float | None]:
+def handoff(requests: list[dict]) -> dict[str, float | int | None]:
     """Medians (ms) over the run's requests of the first-to-second token gap (the KV hand-off
     as the client sees it), of the decode step after it, and of the KV transfer the router
-    timed: the hand-off goal is gap <= step + transfer + 10 ms."""
-    def p50(key: str) -> float | None:
-        xs = [r[key] for r in requests if r.get("ok") and r.get(key) is not None]
+    timed: the hand-off goal is gap <= step + transfer + 10 ms. The gap again, split by whether
+    other requests were streaming at the first token: an idle decode engine can run the
+    request's step as soon as the KV lands; a busy one first ends the step it is in."""
+    def p50(key: str, rows: list[dict] = requests) -> float | None:
+        xs = [r[key] for r in rows if r.get("ok") and r.get(key) is not None]
         return 1e3 * statistics.median(xs) if xs else None
 
+    idle = [r for r in requests if r.get("streams_at_first_token") == 0]
+    busy = [r for r in requests if (r.get("streams_at_first_token") or 0) > 0]
     return {"median_first_gap_ms": p50("first_gap_s"), "median_step_ms": p50("step_s"),
-            "median_transfer_ms": p50("transfer_s")}
+            "median_transfer_ms": p50("transfer_s"),
+            "median_first_gap_idle_ms": p50("first_gap_s", idle), "idle_requests": len(idle),
+            "median_first_gap_busy_ms": p50("first_gap_s", busy), "busy_requests": len(busy)}
 
 
 def _pools_line(v: dict) -> str:
@@ -124,8 +130,8 @@ def table(variants: list[dict]) -> str:
         return "-" if x is None else f"{x:.0f}"
 
     lines = ["| variant | rate | attainment | TTFT p50 / p99 ms | TPOT p50 / p99 ms | out tok/s "
-             "| 1st→2nd token / step / transfer p50 ms |",
-             "|---|---|---|---|---|---|---|"]
+             "| 1st→2nd token / step / transfer p50 ms | 1st→2nd p50 ms, decode idle / busy |",
+             "|---|---|---|---|---|---|---|---|"]
     for v in variants:
         for r in v["runs"]:
             att = r.get("slo_attainment")
@@ -134,7 +140,9 @@ def table(variants: list[dict]) -> str:
                          f"{r['median_ttft_ms']:.0f} / {r['p99_ttft_ms']:.0f} | "
                          f"{r['median_tpot_ms']:.1f} / {r['p99_tpot_ms']:.1f} | "
                          f"{r['output_throughput']:.0f} | {ms(r.get('median_first_gap_ms'))} / "
-                         f"{ms(r.get('median_step_ms'))} / {ms(r.get('median_transfer_ms'))} |")
+                         f"{ms(r.get('median_step_ms'))} / {ms(r.get('median_transfer_ms'))} | "
+                         f"{ms(r.get('median_first_gap_idle_ms'))} ({r.get('idle_requests', 0)}) / "
+                         f"{ms(r.get('median_first_gap_busy_ms'))} ({r.get('busy_requests', 0)}) |")
     lines.append("")
     lines += [f"- {v['variant']}: {_pools_line(v)}" for v in variants]
     return "\n".join(lines) + "\n"

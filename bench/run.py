@@ -105,7 +105,10 @@ async def _workers(a: argparse.Namespace) -> tuple[int, int]:
 
 def _rows(results) -> list[dict]:
     """Per-request records (for the planner and for re-plotting), seconds. `first_gap_s`: first
-    chunk to second, the KV hand-off as the client sees it; `step_s`: the median gap after it."""
+    chunk to second, the KV hand-off as the client sees it; `step_s`: the median gap after it;
+    `streams_at_first_token`: how many other requests were streaming then (bench/metrics.py)."""
+    from bench.metrics import streams_at_first_token
+
     def gaps(r) -> dict[str, float | None]:
         g = r.itls
         return {"first_gap_s": g[0] if g else None,
@@ -113,8 +116,9 @@ def _rows(results) -> list[dict]:
 
     return [{"ok": r.ok, "prompt_tokens": r.prompt_tokens, "output_tokens": r.output_tokens,
              "ttft_s": r.ttft, "tpot_s": r.tpot, "e2e_s": r.e2e, **gaps(r),
+             "streams_at_first_token": n,
              **{k: r.server.get(k) for k in ("queue_s", "prefill_s", "transfer_s", "decode_s")}}
-            for r in results]
+            for r, n in zip(results, streams_at_first_token(results))]
 
 
 async def bench(a: argparse.Namespace) -> dict:

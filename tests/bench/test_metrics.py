@@ -8,7 +8,14 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from bench.metrics import SLO, RequestResult, max_goodput_rate, summarize
+from bench.metrics import (
+    SLO,
+    RequestResult,
+    max_goodput_rate,
+    streams_at_first_token,
+    summarize,
+)
+from bench.pool_options import handoff
 
 
 def _runs() -> list[RequestResult]:
@@ -154,3 +161,27 @@ def test_timing_identities(start: float, gaps: list[float], tail: float, extra: 
     # Loosening a target never turns a met SLO into a miss.
     slo = SLO(ttft_ms=r.ttft * 1e3 + 1, e2el_ms=r.e2e * 1e3 + 1)
     assert slo.meets(r) and SLO(ttft_ms=r.ttft * 2e3 + 1).meets(r)
+
+
+def _stream(first: float, last: float, ok: bool = True) -> RequestResult:
+    times = [first, (first + last) / 2, last] if ok else []
+    return RequestResult(ok, first - 0.1, times, [1] * len(times), last, 10, len(times))
+
+
+def test_streams_at_first_token_counts_the_others_streaming_then() -> None:
+    rs = [_stream(0.0, 5.0),  # alone
+          _stream(1.0, 2.0),  # the first is streaming
+          _stream(3.0, 4.0),  # the first again (the second ended at 2.0)
+          _stream(6.0, 7.0),  # alone again: the first ended at 5.0
+          _stream(0.5, 9.0, ok=False)]  # failed: no first token, and counts for no one
+    assert streams_at_first_token(rs) == [0, 1, 1, 0, None]
+
+
+def test_handoff_splits_the_gap_by_an_idle_or_busy_decode_side() -> None:
+    rows = [{"ok": True, "first_gap_s": g, "step_s": 0.01, "transfer_s": None,
+             "streams_at_first_token": n}
+            for g, n in ((0.020, 0), (0.030, 0), (0.100, 1), (0.120, 3), (0.5, None))]
+    h = handoff(rows)
+    assert h["median_first_gap_idle_ms"] == pytest.approx(25.0) and h["idle_requests"] == 2
+    assert h["median_first_gap_busy_ms"] == pytest.approx(110.0) and h["busy_requests"] == 2
+    assert h["median_first_gap_ms"] == pytest.approx(100.0)  # all five
