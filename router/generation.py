@@ -292,7 +292,7 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             m.running_m.dec()
             self.admission.release()
 
-    async def _migrating(self, rid: str, ids: list[int], sp: common_pb2.SamplingParams,
+    async def _migrating(self, rid: str, ids: Sequence[int], sp: common_pb2.SamplingParams,
                          local: bool, deadline: float | None, timings: FlowTimings,
                          trace: RequestTrace) -> AsyncIterator[TokenEvent]:
         """run_flow's events, surviving worker failures: when a worker fails the request (dies,
@@ -305,16 +305,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         while True:
             prefill, decode = self.route(len(ids) + len(out), local, exclude=failed,
                                          prompt_ids=ids)
+            prompt = [*ids, *out] if out else ids  # after a migration: what was streamed too
             track = None
             if self.split is not None:  # conditional disaggregation (router/split.py)
-                placement = self.split.place([*ids, *out] if out else ids, prefill, decode)
+                placement = self.split.place(prompt, prefill, decode)
                 prefill = prefill if placement.remote else None
                 track = self.split.started(placement, prefill, decode)
             if not failed:
                 trace.admitted(len(ids), prefill is not None)
-            flow = run_flow(rid, [*ids, *out] if out else ids, remaining(sp, len(out)),
-                            prefill, decode,
-                            deadline, timings)
+            flow = run_flow(rid, prompt, remaining(sp, len(out)), prefill, decode, deadline,
+                            timings)
             try:
                 async with contextlib.aclosing(flow):
                     async for ev in flow:
