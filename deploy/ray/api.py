@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import ray
 
 from deploy.ray.config import NAMESPACE, AutoscaleConfig, RayConfig, Secrets
-from deploy.ray.controller import Controller
+from deploy.ray.controller import Controller, kill
 from splitserve.credentials import CLUSTER_TOKEN_ENV, KV_SECRET_ENV
 
 
@@ -69,7 +69,7 @@ class Deployment:
         try:
             ray.get(self.controller.shutdown.remote())
         finally:
-            ray.kill(self.controller, no_restart=True)
+            kill([self.controller])
 
 
 def deploy(model: str = "tiny", prefill: int = 1, decode: int = 1, *, address: str | None = None,

@@ -34,6 +34,27 @@ from splitserve.v1 import generation_pb2, generation_pb2_grpc
 log = logging.getLogger(__name__)
 
 
+def kill(actors: list[ray.actor.ActorHandle], timeout_s: float = 30.0) -> None:
+    """Kill the actors and return once Ray reports them dead. `ray.kill` only asks: the control
+    store lists a killed actor as alive until its process is gone, so a `down` that returned
+    at once could leave a name another driver still finds (and a new deploy of it refused)."""
+    for a in actors:
+        ray.kill(a, no_restart=True)
+    deadline = time.monotonic() + timeout_s
+    for a in actors:
+        while True:
+            try:  # a dead actor fails every call with RayActorError
+                ray.get(a.__ray_ready__.remote(), timeout=max(0.1, deadline - time.monotonic()))
+            except (ray.exceptions.ActorUnavailableError, ray.exceptions.GetTimeoutError):
+                pass  # not reachable yet is not dead
+            except ray.exceptions.RayActorError:
+                break
+            if time.monotonic() > deadline:
+                log.warning("actor %s still alive %.0f s after kill", a, timeout_s)
+                break
+            time.sleep(0.05)
+
+
 @dataclass
 class Slot:
     name: str
@@ -175,8 +196,8 @@ class Controller:
             ray.get(pending, timeout=self.cfg.drain_timeout_s + 30)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             log.warning("drain: %s (the actors are killed anyway)", e)
+        kill([s.actor for s in slots])
         for s in slots:
-            ray.kill(s.actor, no_restart=True)
             if s in self.pools[s.role]:
                 self.pools[s.role].remove(s)
             pg, live = self.groups.get(s.group, (None, set()))
@@ -190,7 +211,7 @@ class Controller:
             ray.get(actor.drain.remote(), timeout=self.cfg.drain_timeout_s + 30)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
             log.warning("drain: %s (the actor is killed anyway)", e)
-        ray.kill(actor, no_restart=True)
+        kill([actor])
 
     # -- reading -----------------------------------------------------------------------------
     def status(self) -> dict:
