@@ -100,7 +100,7 @@ class Controller:
             slots = [s for r in POOLS for s in self.pools[r]]
             self._drain(slots)  # workers first: they deregister while the router still runs
             if self.router is not None:
-                self._stop_actor(self.router)
+                self._stop_actors([self.router])
             for pg, _ in self.groups.values():
                 remove_placement_group(pg)
             self.groups.clear()
@@ -191,12 +191,7 @@ class Controller:
 
     def _drain(self, slots: list[Slot]) -> None:
         """Drain in parallel, then kill the actors and free their placement groups."""
-        pending = [s.actor.drain.remote() for s in slots]
-        try:
-            ray.get(pending, timeout=self.cfg.drain_timeout_s + 30)
-        except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            log.warning("drain: %s (the actors are killed anyway)", e)
-        kill([s.actor for s in slots])
+        self._stop_actors([s.actor for s in slots])
         for s in slots:
             if s in self.pools[s.role]:
                 self.pools[s.role].remove(s)
@@ -206,12 +201,13 @@ class Controller:
                 remove_placement_group(pg)
                 del self.groups[s.group]
 
-    def _stop_actor(self, actor: ray.actor.ActorHandle) -> None:
+    def _stop_actors(self, actors: list[ray.actor.ActorHandle]) -> None:
+        """Drain in parallel, then kill (and wait for the deaths)."""
         try:
-            ray.get(actor.drain.remote(), timeout=self.cfg.drain_timeout_s + 30)
+            ray.get([a.drain.remote() for a in actors], timeout=self.cfg.drain_timeout_s + 30)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as e:
-            log.warning("drain: %s (the actor is killed anyway)", e)
-        kill([actor])
+            log.warning("drain: %s (the actors are killed anyway)", e)
+        kill(actors)
 
     # -- reading -----------------------------------------------------------------------------
     def status(self) -> dict:
