@@ -9,7 +9,8 @@ Lifecycle of one load here:
   take_results()   R is reported finished (and failed, with its blocks, if the pull failed) on
                    the next engine step; vLLM then decodes R or applies the failure policy.
 Every job ends in take_results(), success or not: a parked request whose id never comes back
-would hold its blocks forever.
+would hold its blocks forever. load_now(job) is the in-step form (the default `load="sync"`):
+the same pull on the engine's thread, before the forward pass that reads the blocks.
 
 One connection per producer address, made on first use and reused; a producer that shares this
 host's memory takes the connection's bytes through our shared-memory segment instead of a pair
@@ -17,7 +18,10 @@ channel (shm.py, chosen in the handshake); a failed connection (and its
 pair channel) is dropped and the next job to that producer handshakes afresh. Each connection has
 its own lock, taken for the connect as well as for each transfer: jobs to one producer run in
 order, and a slow or dead producer (a connect or handshake waiting out its timeout) never delays
-jobs to any other.
+jobs to any other. A producer that let a load wait out its timeout and lost the link (hung,
+unreachable) is marked down for `timeout_s`: loads from it fail at once (and vLLM recomputes or
+fails them by policy) instead of each waiting out a timeout, which in-step would stall the
+whole decode batch once per request.
 """
 
 from __future__ import annotations
@@ -105,11 +109,22 @@ class _Peer:
         self.lock = threading.Lock()
         self.conn: _Conn | None = None
         self.shm_ok = True  # False once /dev/shm had no room: the pair channel from then on
+        # Loads from this producer fail at once until then (monotonic time): a load from it
+        # timed out and lost the link. An in-step load makes the whole decode batch wait, so
+        # a hung producer must cost one timeout, not one per request queued with its tickets.
+        self.down_until = 0.0
 
     def drop(self) -> None:  # caller holds `lock`
         if self.conn is not None:
             self.conn.close()
             self.conn = None
+
+
+def _check_up(peer: _Peer) -> None:
+    left = peer.down_until - time.monotonic()
+    if left > 0:
+        raise TransferError(f"KV producer at {peer.host}:{peer.port} is marked down for "
+                            f"{left:.1f} s more (a load from it timed out)")
 
 
 class Consumer:
@@ -182,59 +197,76 @@ class Consumer:
     def _pull(self, job: PullJob) -> tuple[int, bool]:
         """The bytes moved, and whether through shared memory."""
         assert len(job.local_block_ids) == len(job.remote_block_ids)
+        peer = self._peer(job.ticket)
+        _check_up(peer)
+        with peer.lock:
+            _check_up(peer)  # again: it may have been marked while we waited for the lock
+            t0 = time.monotonic()
+            try:
+                return self._pull_locked(peer, job)
+            except Exception:
+                # Marked down only when the load waited out its timeout and no link is left (a
+                # hung or unreachable producer): the case that stalls an in-step batch. A quick
+                # failure (connection refused, a producer at its connection limit) costs the
+                # next load nothing, and a refusal over a live link (an expired lease) says
+                # nothing of it. 0.9: the socket's own clock against ours.
+                if (peer.conn is None
+                        and time.monotonic() - t0 >= 0.9 * self.settings.timeout_s):
+                    peer.down_until = time.monotonic() + self.settings.timeout_s
+                raise
+
+    def _pull_locked(self, peer: _Peer, job: PullJob) -> tuple[int, bool]:
         assert self._spec is not None
         tk = job.ticket
-        peer = self._peer(tk)
-        with peer.lock:
-            conn = self._connected(peer, tk)
-            n = len(job.local_block_ids)
-            want = blocks.staging_bytes(self._kv, n)
-            if conn.shm is not None:
-                try:
-                    conn.shm.buffer(want)
-                except OSError as e:
-                    log.warning("no room in /dev/shm for a %d-byte KV segment (%s): transfers "
-                                "from %s:%d take the pair channel from now on", want, e,
-                                peer.host, peer.port)
-                    peer.shm_ok = False
-                    peer.drop()
-                    conn = self._connected(peer, tk)
-            if tk.spec_fingerprint and tk.spec_fingerprint != self._spec.fingerprint():
-                # The handshake passed, so this producer's cache matches ours: the ticket was
-                # issued by another incarnation at this address. Its block ids mean nothing here.
-                raise IncompatiblePeer(f"ticket {tk.transfer_id} names a KV cache with spec "
-                                       f"{tk.spec_fingerprint}, ours is {self._spec.fingerprint()}")
+        conn = self._connected(peer, tk)
+        n = len(job.local_block_ids)
+        want = blocks.staging_bytes(self._kv, n)
+        if conn.shm is not None:
             try:
-                tag = next(self._tags)
-                msg = {"op": "pull", "transfer_id": tk.transfer_id,
-                       "block_ids": job.remote_block_ids, "tag": tag}
-                if conn.shm is not None:
-                    msg["shm"] = conn.shm.buffer(want).name  # the producer writes the bytes here
-                send_msg(conn.sock, msg)
-                reply = recv_msg(conn.sock)
-                if not reply.get("ok"):
-                    # The producer refused this transfer; the connection itself is fine.
-                    raise TransferError(f"producer refused: {reply.get('error')}")
-                nbytes = int(reply["nbytes"])
-                if nbytes != want:
-                    peer.drop()  # out of step with the producer: start afresh
-                    raise TransferError(f"producer announced {nbytes} bytes for {n} blocks")
-                if conn.shm is not None:
-                    raw = conn.shm.buffer(nbytes).tensor(nbytes)  # already there
-                else:
-                    assert conn.chan is not None
-                    raw = conn.chan.staging(nbytes)
-                    conn.chan.recv(raw, tag)
-            except (WireError, TransferError) as e:
-                if not isinstance(e, TransferError) or conn.broken:
-                    peer.drop()
-                raise
-            if job.corrupt:
-                raw.bitwise_xor_(0x5A)
-            # Still under the peer lock: the next pull from this peer reuses the staging buffer.
-            blocks.scatter(blocks.staging_view(raw, self._kv, n), self._kv, job.local_block_ids)
-            del raw  # no view of a shared segment outlives the lock (it may be replaced)
-            return nbytes, conn.shm is not None
+                conn.shm.buffer(want)
+            except OSError as e:
+                log.warning("no room in /dev/shm for a %d-byte KV segment (%s): transfers "
+                            "from %s:%d take the pair channel from now on", want, e,
+                            peer.host, peer.port)
+                peer.shm_ok = False
+                peer.drop()
+                conn = self._connected(peer, tk)
+        if tk.spec_fingerprint and tk.spec_fingerprint != self._spec.fingerprint():
+            # The handshake passed, so this producer's cache matches ours: the ticket was
+            # issued by another incarnation at this address. Its block ids mean nothing here.
+            raise IncompatiblePeer(f"ticket {tk.transfer_id} names a KV cache with spec "
+                                   f"{tk.spec_fingerprint}, ours is {self._spec.fingerprint()}")
+        try:
+            tag = next(self._tags)
+            msg = {"op": "pull", "transfer_id": tk.transfer_id,
+                   "block_ids": job.remote_block_ids, "tag": tag}
+            if conn.shm is not None:
+                msg["shm"] = conn.shm.buffer(want).name  # the producer writes the bytes here
+            send_msg(conn.sock, msg)
+            reply = recv_msg(conn.sock)
+            if not reply.get("ok"):
+                # The producer refused this transfer; the connection itself is fine.
+                raise TransferError(f"producer refused: {reply.get('error')}")
+            nbytes = int(reply["nbytes"])
+            if nbytes != want:
+                peer.drop()  # out of step with the producer: start afresh
+                raise TransferError(f"producer announced {nbytes} bytes for {n} blocks")
+            if conn.shm is not None:
+                raw = conn.shm.buffer(nbytes).tensor(nbytes)  # already there
+            else:
+                assert conn.chan is not None
+                raw = conn.chan.staging(nbytes)
+                conn.chan.recv(raw, tag)
+        except (WireError, TransferError) as e:
+            if not isinstance(e, TransferError) or conn.broken:
+                peer.drop()
+            raise
+        if job.corrupt:
+            raw.bitwise_xor_(0x5A)
+        # Still under the peer lock: the next pull from this peer reuses the staging buffer.
+        blocks.scatter(blocks.staging_view(raw, self._kv, n), self._kv, job.local_block_ids)
+        del raw  # no view of a shared segment outlives the lock (it may be replaced)
+        return nbytes, conn.shm is not None
 
     def _release(self, tk: KVTicket) -> None:
         try:

@@ -400,6 +400,30 @@ def test_a_stalled_producer_does_not_delay_pulls_from_another(producers, consume
         stalled.proc.send_signal(signal.SIGCONT)
 
 
+def test_a_hung_producer_costs_one_timeout_not_one_per_in_step_load(producers,
+                                                                     consumers) -> None:
+    """An in-step load makes the decode batch wait. Once a load from a hung producer (frozen:
+    the kernel accepts the connection, nothing answers) has timed out, further loads from it
+    fail at once for the timeout's length instead of each waiting it out; then it is tried
+    again and, thawed, serves."""
+    timeout_s = 3.0
+    hung = producers()
+    c = consumers(timeout_s=timeout_s)
+    hung.cmd(op="hold", transfer_id="t2", block_ids=[2])
+    hung.proc.send_signal(signal.SIGSTOP)
+    try:
+        assert not c.load_now(job(hung, "t1", [1], [1]))  # waits out its timeout
+        t0 = time.monotonic()
+        assert not c.load_now(job(hung, "t2", [2], [2]))
+        # Bound, not a benchmark: without the mark this load waits another full timeout.
+        assert time.monotonic() - t0 < timeout_s / 2
+    finally:
+        hung.proc.send_signal(signal.SIGCONT)
+    assert c.stats.drain().failures == 2
+    time.sleep(timeout_s)  # the mark lapses; the next load connects afresh
+    assert c.load_now(job(hung, "t2", [2], [3]))
+
+
 @BOTH
 def test_a_producer_without_the_secret_is_refused_by_the_consumer(producers, consumers,
                                                                   transport: str) -> None:
