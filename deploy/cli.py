@@ -59,10 +59,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--kv-host", default="127.0.0.1", help="address peers use for KV transfer")
     g.add_argument("--kv-lease-s", type=float, default=30.0)
     g.add_argument("--kv-timeout-s", type=float, default=10.0)
-    g.add_argument("--kv-load", choices=["async", "sync"], default="async",
-                   help="decode side: async pulls beside the engine's steps; sync pulls in the "
-                        "step that schedules the request (its second token a step sooner, the "
-                        "batch waiting for the pull)")
+    g.add_argument("--kv-load", choices=["async", "sync"], default="sync",
+                   help="decode side: sync pulls in the step that schedules the request (its "
+                        "second token a step sooner; the batch waits for the pull); async "
+                        "pulls beside the engine's steps")
     g.add_argument("--kv-transport", choices=["auto", "pair"], default="auto",
                    help="auto: KV between workers on one host through shared memory, across "
                         "hosts over the pair channel (torch.distributed); pair: always the "

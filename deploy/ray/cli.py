@@ -27,7 +27,7 @@ _ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
                  ("--max-num-batched-tokens", int, None), ("--speculative-tokens", int, 0),
                  ("--kv-failure-policy", str, "recompute"),
                  ("--kv-lease-s", float, 30.0), ("--kv-timeout-s", float, 10.0),
-                 ("--kv-transport", str, "auto"), ("--kv-load", str, "async"))
+                 ("--kv-transport", str, "auto"), ("--kv-load", str, "sync"))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

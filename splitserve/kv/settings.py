@@ -42,11 +42,13 @@ class ConnectorSettings:
     # "auto": through shared memory when both ends see the same /dev/shm (one host; CPU caches),
     # else the pair channel; "pair": always the pair channel. Either side can refuse shm.
     transport: str = "auto"
-    # consumer: "async" pulls beside the engine's steps and schedules the request once the KV
-    # has landed (a step or two later; a slow producer delays nobody else); "sync" pulls in the
-    # engine step that first schedules the request, before its forward pass (the second token
-    # one step sooner; the whole batch waits for the pull, a stalled producer up to timeout_s).
-    load: str = "async"
+    # consumer: "sync" pulls in the engine step that first schedules the request, before its
+    # forward pass (the second token one step sooner; the whole batch waits for the pull, a hung
+    # producer up to timeout_s once, after which loads from it fail at once for timeout_s: see
+    # consumer.py); "async" pulls beside the engine's steps and schedules the request once the
+    # KV has landed (a step or two later; a slow producer delays nobody else). docs/benchmarks.md,
+    # "KV hand-off", has the measurements behind the default.
+    load: str = "sync"
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
     status_file: str | None = None
 

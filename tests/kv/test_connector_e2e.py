@@ -50,9 +50,11 @@ class Cluster(EngineSet):
             "PB": EngineConfig(**base, kv_role="kv_producer", engine_id="PB",
                                kv_settings=replace(kv, hold="blocks")),
             "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
-                              kv_settings=replace(kv, allow_fault_injection=True)),
+                              kv_settings=replace(kv, load="async", allow_fault_injection=True)),
+            # Async: test_producer_killed_mid_transfer watches DF's blocks while a pull is in
+            # flight, and an in-step pull holds the step that would publish them.
             "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
-                               kv_failure_policy="fail", kv_settings=kv),
+                               kv_failure_policy="fail", kv_settings=replace(kv, load="async")),
             "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="DS",
                                kv_settings=replace(kv, load="sync", allow_fault_injection=True)),
             "C": EngineConfig(**base),
