@@ -25,6 +25,7 @@ from pathlib import Path
 
 from deploy import security_flags as sec
 from splitserve import lifeline
+from splitserve.kv.settings import KV_DEFAULTS, LOADS, TRANSPORTS
 from splitserve.roles import Role
 
 
@@ -57,13 +58,13 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="CPU only: cores for this engine, e.g. 0 or 2-3 (default: vLLM's auto)")
     g.add_argument("--kv-failure-policy", choices=["recompute", "fail"], default="recompute")
     g.add_argument("--kv-host", default="127.0.0.1", help="address peers use for KV transfer")
-    g.add_argument("--kv-lease-s", type=float, default=30.0)
-    g.add_argument("--kv-timeout-s", type=float, default=10.0)
-    g.add_argument("--kv-load", choices=["async", "sync"], default="sync",
+    g.add_argument("--kv-lease-s", type=float, default=KV_DEFAULTS.lease_s)
+    g.add_argument("--kv-timeout-s", type=float, default=KV_DEFAULTS.timeout_s)
+    g.add_argument("--kv-load", choices=LOADS, default=KV_DEFAULTS.load,
                    help="decode side: sync pulls in the step that schedules the request (its "
                         "second token a step sooner; the batch waits for the pull); async "
                         "pulls beside the engine's steps")
-    g.add_argument("--kv-transport", choices=["auto", "pair"], default="auto",
+    g.add_argument("--kv-transport", choices=TRANSPORTS, default=KV_DEFAULTS.transport,
                    help="auto: KV between workers on one host through shared memory, across "
                         "hosts over the pair channel (torch.distributed); pair: always the "
                         "pair channel")

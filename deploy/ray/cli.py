@@ -19,6 +19,7 @@ import sys
 import time
 
 from deploy import security_flags as sec
+from splitserve.kv.settings import KV_DEFAULTS
 
 # Passed on only when given: a worker's own default is then the one in force (one place).
 _ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
@@ -26,8 +27,10 @@ _ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
                  ("--max-num-seqs", int, 64), ("--kv-cache-dtype", str, "auto"),
                  ("--max-num-batched-tokens", int, None), ("--speculative-tokens", int, 0),
                  ("--kv-failure-policy", str, "recompute"),
-                 ("--kv-lease-s", float, 30.0), ("--kv-timeout-s", float, 10.0),
-                 ("--kv-transport", str, "auto"), ("--kv-load", str, "sync"))
+                 ("--kv-lease-s", float, KV_DEFAULTS.lease_s),
+                 ("--kv-timeout-s", float, KV_DEFAULTS.timeout_s),
+                 ("--kv-transport", str, KV_DEFAULTS.transport),
+                 ("--kv-load", str, KV_DEFAULTS.load))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

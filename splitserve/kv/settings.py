@@ -88,3 +88,7 @@ class ConnectorSettings:
     def copies_out(self, device_type: str) -> bool:
         """Whether a producer on `device_type` copies held blocks out (see `hold`)."""
         return self.hold == "copy" or (self.hold == "auto" and device_type == "cpu")
+
+
+# The defaults once, for the command lines that expose them (deploy/cli.py, deploy/ray/cli.py).
+KV_DEFAULTS = ConnectorSettings()
