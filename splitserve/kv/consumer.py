@@ -198,9 +198,8 @@ class Consumer:
         """The bytes moved, and whether through shared memory."""
         assert len(job.local_block_ids) == len(job.remote_block_ids)
         peer = self._peer(job.ticket)
-        _check_up(peer)
         with peer.lock:
-            _check_up(peer)  # again: it may have been marked while we waited for the lock
+            _check_up(peer)  # under the lock: loads queued behind the one that timed out
             t0 = time.monotonic()
             try:
                 return self._pull_locked(peer, job)
