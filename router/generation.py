@@ -201,8 +201,10 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             [w for w in self.registry.alive(role, self.served_model) if w.worker_id not in exclude]
             for role in (Role.PREFILL, Role.DECODE, Role.COLOCATED))
         pool = prefill or decode or colocated
+        # With one worker per role there is nothing to choose: no prefix hashing.
+        choice = len(prefill) > 1 or len(decode) + len(colocated) > 1
         key = (prefix_key(prompt_ids, pool[0].capacity.block_size)
-               if pool and self.cfg.prefix_affinity else None)
+               if pool and choice and self.cfg.prefix_affinity else None)
         if prefill and decode and not local and prompt_len >= self.cfg.local_prefill_threshold:
             return (choose_prefill(prefill, prompt_len, key),
                     choose_decode(decode, self.rng, key))

@@ -24,6 +24,7 @@ from tokenizers.decoders import ByteLevel, DecodeStream
 # Prompt tokens kept as left context for the first generated tokens (vLLM uses the same number):
 # decoders such as SentencePiece's strip the leading space of the first token they see.
 _CONTEXT_TOKENS = 5
+_UTF8 = codecs.getincrementaldecoder("utf-8")  # looked up once, not per request
 
 
 def _read_json(path: Path) -> dict[str, Any]:
@@ -201,7 +202,7 @@ class IncrementalDetokenizer:
         self.num_tokens = 0  # generated tokens pushed so far
         self._bytes = tokenizer.id_bytes(skip_special_tokens)
         if self._bytes is not None:
-            self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+            self._utf8 = _UTF8(errors="replace")
             return
         context = [int(i) for i in prompt_ids[-_CONTEXT_TOKENS:]] if prompt_ids else None
         self._stream = DecodeStream(ids=context, skip_special_tokens=skip_special_tokens)

@@ -15,3 +15,12 @@ def test_router_hop_times_every_path_at_every_length(tiny_model_dir: Path) -> No
         # first token was timed.
         assert set(r["ttft_ms"]) == set(PATHS) and min(r["ttft_ms"].values()) > 0, r
         assert r["rounds"] == 4
+
+
+def test_a_baseline_checkout_runs_beside_the_router(tiny_model_dir: Path) -> None:
+    """`--baseline DIR`: a second router, run from DIR's code, in the same rotation. This
+    checkout stands in for the other one."""
+    root = Path(__file__).resolve().parents[2]
+    (row,) = measure(str(tiny_model_dir), [3], rounds=3, warmup=1, baseline=str(root))
+    assert set(row["ttft_ms"]) == {*PATHS, "baseline"} and min(row["ttft_ms"].values()) > 0
+    assert "router_over_baseline_ms" in row and "baseline_adds_ms" in row
