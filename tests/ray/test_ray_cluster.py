@@ -42,6 +42,10 @@ pytestmark = pytest.mark.slow
 LENGTHS = [1, 17, 127, 128, 129, 300]
 MAX_TOKENS = 10
 TOKEN = secrets.token_hex(16)
+# An engine started beside two busy ones on two cores took >600 s to load here (2026-12-03): the
+# busy engine's model runner keeps several threads runnable on the shared core (docs/deploy.md).
+# 600 s is the deployment's default; every wait for an engine start below is this one.
+START_S = 900
 
 
 def _free_port() -> int:
@@ -143,10 +147,7 @@ def dep(ray_cluster, tiny_model_dir: Path):
                      grpc_port=_free_port(), cluster_port=_free_port(), http_port=_free_port(),
                      engine_args=("--dtype", "float32", "--kv-cache-mib", "64",
                                   "--kv-timeout-s", "5"),
-                     # An engine started beside two busy ones on two cores took >600 s to load
-                     # here (2026-12-03): the busy engine's model runner keeps several threads
-                     # runnable on the shared core (docs/deploy.md). 600 s is the default.
-                     start_timeout_s=900)
+                     start_timeout_s=START_S)
     d.seen = []  # every process that was part of the deployment, checked after `down`
     try:
         yield d
@@ -208,7 +209,7 @@ def test_scale_up_from_another_driver_under_load(dep, reference) -> None:
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "ray", "scale", "--address",
                           ray.get_runtime_context().gcs_address, "--name", dep.name,
                           "--prefill", "1", "--decode", "2"],
-                         capture_output=True, text=True, timeout=1200)
+                         capture_output=True, text=True, timeout=START_S + 300)
     assert out.returncode == 0, out.stderr[-3000:]
     assert json.loads(out.stdout.strip().splitlines()[-1]) == {"prefill": 1, "decode": 2}
     load.wait_for(8)
@@ -225,7 +226,7 @@ def test_killed_worker_actor_restarts_and_registers_again(dep, reference) -> Non
     load = Load(dep.address, *reference)
     load.wait_for(4)
     ray.kill(actor, no_restart=False)  # what a crash of the actor's process looks like
-    deadline = time.monotonic() + 900
+    deadline = time.monotonic() + START_S
     while True:  # the same named actor, a new process, serving again
         try:
             after = ray.get(actor.info.remote(), timeout=10)
