@@ -1,10 +1,19 @@
 """Child processes running `splitserve` components: spawn, wait until ready, stop, leave nothing.
 
 One launcher for `splitserve up`, the benchmarks and the end-to-end tests. Each child runs
-`python -m deploy.cli SUBCOMMAND ...` in a session of its own (so stopping it takes its vLLM engine
-processes along) and writes a ready file — JSON with its endpoints — once it serves. `stop()`
-sends SIGTERM to the workers first (they deregister and drain), then to the routers, and SIGKILLs
-every session that is still there after the grace period.
+`python -m deploy.cli SUBCOMMAND ...` in a process group of its own (so stopping it takes its vLLM
+engine processes along) and writes a ready file — JSON with its endpoints — once it serves.
+`stop()` sends SIGTERM to the workers first (they deregister and drain), then to the routers, and
+SIGKILLs every group that is still there after the grace period.
+
+Why a process group and not a session of its own: Linux shares CPU time fairly between sessions
+first (autogroups, on by default), and a loaded vLLM CPU engine's model runner spins on
+`sched_yield` between steps (vLLM's `SpinCondition`, a second after every message). A yield gives
+way only to threads of the spinner's own session: on its core, a process in another session got
+2-8% of the core and one in the runner's session 54-61%; a new engine started beside a busy one
+was not ready after 300-400 s (57 s in one session), and 1P+1D met its SLO far less often
+(docs/benchmarks.md, "One session for the whole cluster"). In our session the spin yields to
+every component.
 """
 
 from __future__ import annotations
@@ -39,7 +48,7 @@ class Proc:
         return self.endpoints["grpc"]
 
     def signal(self, sig: int) -> None:
-        """Signal the whole session (the component and its engine processes)."""
+        """Signal the whole process group (the component and its engine processes)."""
         try:
             os.killpg(self.popen.pid, sig)
         except (ProcessLookupError, PermissionError):
@@ -47,7 +56,7 @@ class Proc:
 
     def terminate(self) -> None:
         """SIGTERM to the component alone: it drains, then stops its own engines. (To the whole
-        session, the engines would die at once and fail the requests being drained.)"""
+        group, the engines would die at once and fail the requests being drained.)"""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
 
@@ -57,8 +66,12 @@ class Proc:
 
 
 class ProcessSet:
-    def __init__(self, log_dir: Path | None = None, env: dict[str, str] | None = None) -> None:
-        """`log_dir`: each child's output goes to NAME.log there (else to our own console)."""
+    def __init__(self, log_dir: Path | None = None, env: dict[str, str] | None = None,
+                 own_sessions: bool = False) -> None:
+        """`log_dir`: each child's output goes to NAME.log there (else to our own console).
+        `own_sessions`: each child in a session of its own, as before 2026-12-03 (for the
+        benchmark that compares the two; see the module docstring)."""
+        self.own_sessions = own_sessions
         self.dir = Path(tempfile.mkdtemp(prefix="splitserve-procs-"))  # ready files
         self.log_dir = log_dir
         self.env = env
@@ -75,10 +88,12 @@ class ProcessSet:
             # The child stops if we die, even by SIGKILL (splitserve/lifeline.py).
             base = env if env is not None else self.env if self.env is not None else os.environ
             env = {**base, PARENT_ENV: str(os.getpid())}
+            # stdin: a child in a background group of a terminal's session that read it would
+            # be stopped (SIGTTIN).
             p = subprocess.Popen([sys.executable, "-m", module, *args, "--ready-file",
-                                  str(ready)], env=env, stdout=out,
+                                  str(ready)], env=env, stdin=subprocess.DEVNULL, stdout=out,
                                  stderr=subprocess.STDOUT if out else None,
-                                 start_new_session=True)
+                                 **child_group(self.own_sessions))
         finally:
             if out is not None:
                 out.close()  # the child has its own descriptor
@@ -135,12 +150,20 @@ class ProcessSet:
         shutil.rmtree(self.dir, ignore_errors=True)
 
     def survivors(self) -> list[str]:
-        """Names of children whose session still has a live process (engines included)."""
-        sessions = _live_sessions()
-        return [p.name for p in self.procs if p.popen.pid in sessions]
+        """Names of children whose group still has a live process (engines included)."""
+        groups = live_groups()
+        return [p.name for p in self.procs if p.popen.pid in groups]
 
 
-def _live_sessions() -> set[int]:
+def child_group(own_session: bool = False) -> dict:
+    """Popen's arguments for a child that leads a process group of its own, in our session
+    (see the module docstring) unless `own_session`."""
+    return {"start_new_session": True} if own_session else {"process_group": 0}
+
+
+def live_groups() -> set[int]:
+    """The process groups (and sessions: a session's leader leads a group of the same id)
+    that have a live process."""
     out = set()
     for entry in Path("/proc").iterdir():
         if entry.name.isdigit():
@@ -148,6 +171,6 @@ def _live_sessions() -> set[int]:
                 fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if fields[0] != "Z":  # fields[3] is stat's field 6: the session id
-                out.add(int(fields[3]))
+            if fields[0] != "Z":  # fields[2] is stat's field 5: the process group id
+                out.add(int(fields[2]))
     return out

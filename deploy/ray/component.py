@@ -126,7 +126,7 @@ class Component:
             log.warning("%s: killing the process a previous incarnation left (pid %d)",
                         self.spec.name, pid)
             try:
-                os.killpg(pid, signal.SIGKILL)  # its session: engines included
+                os.killpg(pid, signal.SIGKILL)  # its process group: engines included
             except ProcessLookupError:
                 pass
             while _start_time(pid) == old["start"]:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.e2e.cluster import ROOT
+from tests.e2e.cluster import ROOT, ProcCluster
 
 pytestmark = pytest.mark.slow
 
@@ -54,6 +54,13 @@ def _children(pid: int) -> list[int]:
     return out
 
 
+def _descendants(pid: int) -> list[int]:
+    out = _children(pid)
+    for child in list(out):
+        out += _descendants(child)
+    return out
+
+
 def _wait_gone(pids: list[int], timeout_s: float) -> list[int]:
     deadline = time.monotonic() + timeout_s
     while (left := [p for p in pids if _alive(p)]) and time.monotonic() < deadline:
@@ -82,7 +89,22 @@ def test_components_and_engines_die_with_a_sigkilled_parent(tiny_model_dir: Path
     finally:
         for pid in (parent.pid, *pids.values()):
             try:
-                os.killpg(pid, signal.SIGKILL)  # each child runs in a session of its own
+                os.killpg(pid, signal.SIGKILL)  # each child leads a process group of its own
             except (ProcessLookupError, PermissionError):
                 pass
         parent.wait()
+
+
+def test_components_and_engines_run_in_our_session(cl: ProcCluster) -> None:
+    """Each component leads a process group of its own, so that stopping it takes its engine
+    along, and stays in the launcher's session: Linux shares CPU time between sessions first,
+    and a busy engine's spinning wait yields only inside its own (deploy/procs.py)."""
+    engines = 0
+    for p in cl.procs:
+        pid = p.popen.pid
+        assert p.popen.poll() is None, f"{p.name} exited"
+        assert (os.getpgid(pid), os.getsid(pid)) == (pid, os.getsid(0)), p.name
+        for child in _descendants(pid):
+            assert (os.getpgid(child), os.getsid(child)) == (pid, os.getsid(0)), p.name
+            engines += p.role is not None
+    assert engines >= 2 * sum(p.role is not None for p in cl.procs)  # EngineCore and runner

@@ -30,7 +30,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from deploy.procs import _live_sessions
+from deploy.procs import live_groups
 from router.registry import worker_stub
 from splitserve.credentials import bearer
 from splitserve.roles import Role
@@ -238,7 +238,7 @@ def test_killed_worker_actor_restarts_and_registers_again(dep, reference) -> Non
         time.sleep(1)
     assert after["restarted"] and after["actor_pid"] != before["actor_pid"]
     assert after["pid"] != before["pid"]
-    assert before["pid"] not in _live_sessions()  # the old process went with its actor
+    assert before["pid"] not in live_groups()  # the old process went with its actor
     load.wait_for(8)
     ok, failures = load.finish()
     assert not failures, failures
@@ -310,7 +310,7 @@ def test_down_leaves_no_actor_process_or_kv_block(dep) -> None:
         pids = {p for pair in dep.seen for p in pair}
         left = sorted(p for p in pids if Path(f"/proc/{p}").exists()
                       and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")
-        left += sorted({pid for _, pid in dep.seen} & _live_sessions())  # engines too
+        left += sorted({pid for _, pid in dep.seen} & live_groups())  # engines too
         if not left:
             break
         assert time.monotonic() < deadline, f"processes left behind: {left}"
