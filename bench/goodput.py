@@ -6,9 +6,11 @@ the SLOs per engine than the alternatives? Deployments, one at a time (started, 
   colocated2   router + 2 colocated workers, an engine per core
   1p1d         router + 1 prefill + 1 decode worker, an engine per core
   conditional  the same 1p1d with `--conditional-disaggregation` (router/split.py)
-Every deployment gets the same fresh random prompts per (rate, driver): one seed each, so no
-prefix-cache help and one workload for all. Drivers: vLLM's `vllm bench serve` and `splitserve
-bench`, both against the OpenAI HTTP front.
+A name with `:sessions` after it (`1p1d:sessions`) runs that deployment with each process in a
+session of its own, as before 2026-12-03 (deploy/procs.py says why they now share ours): the
+A/B of that change. Every deployment gets the same fresh random prompts per (rate, driver): one
+seed each, so no prefix-cache help and one workload for all. Drivers: vLLM's `vllm bench
+serve` and `splitserve bench`, both against the OpenAI HTTP front.
 
     python bench/goodput.py [--rates 2,3,4,6] [--num-prompts 40] [--deployments ...]
                             [--drivers vllm,splitserve] [--stream-interval 1] [--json FILE]
@@ -45,7 +47,7 @@ def start(name: str, a: argparse.Namespace, model: str, procs: ProcessSet,
           log_dir: Path) -> tuple[str, subprocess.Popen | None]:
     """The deployment's OpenAI base URL (and vLLM's process, for plain vLLM)."""
     if name == "vllm":
-        p = start_vllm(a, model, log_dir / "vllm.log")
+        p = start_vllm(a, model, log_dir / "vllm.log", own_session=procs.own_sessions)
         url = f"http://127.0.0.1:{a.vllm_port}"
         wait_http(url)
         return url, p
@@ -70,8 +72,18 @@ def stop(procs: ProcessSet, vllm: subprocess.Popen | None) -> None:
         stop_vllm(vllm)
 
 
-def engines(name: str) -> int:
-    return len(DEPLOYMENTS[name][0]) or 1
+def parse(dep: str) -> tuple[str, bool]:
+    """A --deployments entry: the deployment's name, and whether each process gets a session
+    of its own (the `:sessions` suffix)."""
+    name, _, suffix = dep.partition(":")
+    if name not in DEPLOYMENTS or suffix not in ("", "sessions"):
+        raise SystemExit(f"unknown deployment {dep!r}: one of {', '.join(DEPLOYMENTS)}, "
+                         "optionally with :sessions")
+    return name, suffix == "sessions"
+
+
+def engines(dep: str) -> int:
+    return len(DEPLOYMENTS[parse(dep)[0]][0]) or 1
 
 
 def goodput(rows: list[dict], dep: str, driver: str, target: float) -> float:
@@ -118,15 +130,18 @@ def main() -> None:
     a.engine_cores = "0"  # plain vLLM's one engine (start_vllm reads it)
     model = resolve_model(a.model)
     deps, drivers = a.deployments.split(","), a.drivers.split(",")
+    for dep in deps:
+        parse(dep)  # fail before starting anything
     rates = [float(r) for r in a.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-goodput-"))
     rows: list[dict] = []
     for dep in deps:
+        name, own_sessions = parse(dep)
         (tmp / dep).mkdir()
-        procs = ProcessSet(log_dir=tmp / dep)
+        procs = ProcessSet(log_dir=tmp / dep, own_sessions=own_sessions)
         url, vllm = None, None
         try:
-            url, vllm = start(dep, a, model, procs, tmp)
+            url, vllm = start(name, a, model, procs, tmp)
             for i, (driver, rate) in enumerate((d, r) for d in drivers for r in rates):
                 seed = a.seed + i  # the same prompts for every deployment
                 r = drive(driver, url, model, rate, seed, a, tmp / f"{dep}-{driver}-{rate}.json")

@@ -38,7 +38,7 @@ from pathlib import Path
 
 from bench.host import machine
 from deploy.placement import free_cores, pin_serving
-from deploy.procs import ProcessSet
+from deploy.procs import ProcessSet, child_group
 from splitserve.models import resolve_model
 from splitserve.roles import Role
 
@@ -47,7 +47,10 @@ METRICS = ("attainment", "goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpo
            "p99_tpot_ms", "completed")
 
 
-def start_vllm(a: argparse.Namespace, model: str, log: Path) -> subprocess.Popen:
+def start_vllm(a: argparse.Namespace, model: str, log: Path,
+               own_session: bool = False) -> subprocess.Popen:
+    """In our session, as splitserve's components are (deploy/procs.py says why), unless
+    `own_session`."""
     env = {**os.environ, "VLLM_CPU_OMP_THREADS_BIND": a.engine_cores}
     return subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
@@ -55,7 +58,8 @@ def start_vllm(a: argparse.Namespace, model: str, log: Path) -> subprocess.Popen
          "--kv-cache-memory-bytes", str(a.kv_cache_mib << 20), "--block-size", "128",
          "--enforce-eager", "--max-num-seqs", "64", "--seed", "0",
          "--stream-interval", str(a.stream_interval)],
-        env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
+        env=env, stdin=subprocess.DEVNULL, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+        **child_group(own_session))
 
 
 def start_splitserve(a: argparse.Namespace, model: str, procs: ProcessSet) -> str:
@@ -74,7 +78,8 @@ def start_splitserve(a: argparse.Namespace, model: str, procs: ProcessSet) -> st
 
 
 def stop_vllm(p: subprocess.Popen) -> None:
-    """vLLM's server and its engine (its own session: killed as a group if it will not stop)."""
+    """vLLM's server and its engine (its own process group: killed as one if it will not
+    stop)."""
     p.terminate()
     try:
         p.wait(30)
@@ -115,6 +120,10 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
                "--output-len", f"uniform:{olo:.0f}-{ohi:.0f}", "--rate", str(rate),
                "--seed", str(seed), "--slo", f"ttft={ttft},tpot={tpot}", "--no-progress",
                "--result-json", str(out)]
+    # The load generator stays in our session, with the deployment (deploy/procs.py says why
+    # sessions matter): in a session of its own, the busy engines' spinning waits starved it
+    # (1P+1D's streams then arrived whole; docs/benchmarks.md, "One session for the whole
+    # cluster").
     p = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     if cores:  # before its threads start: they inherit it
         os.sched_setaffinity(p.pid, cores)
