@@ -104,10 +104,11 @@ def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: flo
                                      f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} "
                                      f"{r['median_tpot_ms']:9.1f} {r['p99_tpot_ms']:9.1f}")
     lines.append(f"\ngoodput at {target:.0%} attainment (req/s), and per engine; "
-                 "ratio = per engine / plain vLLM's per engine")
+                 "ratio = per engine / plain vLLM's per engine (in the same session layout)")
     for driver in drivers:
-        base = goodput(rows, "vllm", driver, target) if "vllm" in deps else 0.0
         for dep in deps:
+            plain = "vllm:sessions" if parse(dep)[1] else "vllm"
+            base = goodput(rows, plain, driver, target) if plain in deps else 0.0
             g = goodput(rows, dep, driver, target)
             per = g / engines(dep)
             ratio = f"{per / base:.2f}x" if base else "n/a"
