@@ -42,9 +42,10 @@ pytestmark = pytest.mark.slow
 LENGTHS = [1, 17, 127, 128, 129, 300]
 MAX_TOKENS = 10
 TOKEN = secrets.token_hex(16)
-# An engine started beside two busy ones on two cores took >600 s to load here (2026-12-03): the
-# busy engine's model runner keeps several threads runnable on the shared core (docs/deploy.md).
-# 600 s is the deployment's default; every wait for an engine start below is this one.
+# An engine started beside two busy ones on two cores took >600 s to load here (2026-12-03),
+# while each component had a session of its own; in one session it took ~60 s (deploy/procs.py,
+# docs/deploy.md). The limit stays above the deployment's 600 s default for slow CI hosts; every
+# wait for an engine start below is this one.
 START_S = 900
 
 
