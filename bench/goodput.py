@@ -131,13 +131,11 @@ def main() -> None:
     a.engine_cores = "0"  # plain vLLM's one engine (start_vllm reads it)
     model = resolve_model(a.model)
     deps, drivers = a.deployments.split(","), a.drivers.split(",")
-    for dep in deps:
-        parse(dep)  # fail before starting anything
+    parsed = [parse(dep) for dep in deps]  # fails before anything starts
     rates = [float(r) for r in a.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-goodput-"))
     rows: list[dict] = []
-    for dep in deps:
-        name, own_sessions = parse(dep)
+    for dep, (name, own_sessions) in zip(deps, parsed):
         (tmp / dep).mkdir()
         procs = ProcessSet(log_dir=tmp / dep, own_sessions=own_sessions)
         url, vllm = None, None
