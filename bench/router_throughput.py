@@ -29,6 +29,7 @@ from bench.client import GrpcTarget, HttpTarget, run_load
 from bench.workload import RequestSpec
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
+from splitserve.procstat import proc_stat
 from splitserve.roles import Role
 
 PROMPT = tuple(range(5, 69))
@@ -64,9 +65,10 @@ class Throughput:
 
 def cpu_seconds(pid: int) -> float:
     """User + system time of every thread of `pid` so far."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    st = proc_stat(pid)
+    if st is None:
+        raise ProcessLookupError(pid)
+    return st.cpu_s
 
 
 def measure(model: str | None, concurrencies: list[int], seconds: float,

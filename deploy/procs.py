@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from splitserve.lifeline import PARENT_ENV
+from splitserve.procstat import all_procs
 from splitserve.roles import Role
 
 
@@ -164,13 +165,4 @@ def child_group(own_session: bool = False) -> dict:
 def live_groups() -> set[int]:
     """The process groups (and sessions: a session's leader leads a group of the same id)
     that have a live process."""
-    out = set()
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if fields[0] != "Z":  # fields[2] is stat's field 5: the process group id
-                out.add(int(fields[2]))
-    return out
+    return {p.pgid for p in all_procs() if p.alive}

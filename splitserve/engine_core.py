@@ -22,6 +22,8 @@ from __future__ import annotations
 import logging
 import os
 
+from splitserve.procstat import all_procs
+
 log = logging.getLogger(__name__)
 
 ENGINE_CORE_NICE = 10
@@ -31,20 +33,7 @@ ENGINE_CORE_TITLE = "VLLM::EngineCor"  # vLLM's process title, as /proc/<pid>/co
 def engine_cores(parents: list[int]) -> list[int]:
     """The EngineCore processes that are children of `parents` (none without /proc)."""
     wanted = set(parents)
-    found = []
-    for entry in os.listdir("/proc") if os.path.isdir("/proc") else ():
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat") as f:
-                stat = f.read()
-        except OSError:  # ended meanwhile
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so cut at the last.
-        name, rest = stat[stat.index("(") + 1:stat.rindex(")")], stat[stat.rindex(")") + 2:]
-        if name == ENGINE_CORE_TITLE and int(rest.split()[1]) in wanted:
-            found.append(int(entry))
-    return found
+    return [p.pid for p in all_procs() if p.comm == ENGINE_CORE_TITLE and p.ppid in wanted]
 
 
 def place_threads(pids: list[int], cores: set[int] | None, nice: int | None = None) -> None:

@@ -30,6 +30,7 @@ from pathlib import Path
 from deploy.procs import Proc, ProcessSet
 from deploy.ray.config import RayConfig, Secrets
 from splitserve.credentials import API_KEY_ENV, CLUSTER_TOKEN_ENV, KV_SECRET_ENV
+from splitserve.procstat import proc_stat
 from splitserve.roles import Role
 
 log = logging.getLogger(__name__)
@@ -51,13 +52,10 @@ def state_dir(deployment: str) -> Path:
 
 
 def _start_time(pid: int) -> str | None:
-    """Field 22 of stat: the start time, so a reused pid is not mistaken for ours; None once
-    the process is gone (a zombie counts as gone: it holds nothing)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if fields[0] == "Z" else fields[19]
+    """The start time, so a reused pid is not mistaken for ours; None once the process is gone
+    (a zombie counts as gone: it holds nothing). A string, as pid files have always held it."""
+    st = proc_stat(pid)
+    return str(st.start_ticks) if st is not None and st.alive else None
 
 
 def _cores(cfg: RayConfig, ordinal: int) -> str:

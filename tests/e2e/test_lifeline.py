@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.procstat import all_procs, proc_stat
 from tests.e2e.cluster import ROOT, ProcCluster
 
 pytestmark = pytest.mark.slow
@@ -34,24 +35,12 @@ time.sleep(3600)
 
 
 def _alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"  # a zombie has exited; whoever adopted it reaps it when it can
+    st = proc_stat(pid)
+    return st is not None and st.alive
 
 
 def _children(pid: int) -> list[int]:
-    out = []
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit():
-            try:
-                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
-            except OSError:
-                continue
-            if ppid == pid:
-                out.append(int(entry.name))
-    return out
+    return [p.pid for p in all_procs() if p.ppid == pid]
 
 
 def _descendants(pid: int) -> list[int]:

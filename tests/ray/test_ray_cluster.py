@@ -33,6 +33,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from deploy.procs import live_groups
 from router.registry import worker_stub
 from splitserve.credentials import bearer
+from splitserve.procstat import proc_stat
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.utils import make_prompts
@@ -309,8 +310,7 @@ def test_down_leaves_no_actor_process_or_kv_block(dep) -> None:
     deadline = time.monotonic() + 30
     while True:  # Ray reaps killed actors' processes in its own time
         pids = {p for pair in dep.seen for p in pair}
-        left = sorted(p for p in pids if Path(f"/proc/{p}").exists()
-                      and Path(f"/proc/{p}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z")
+        left = sorted(p for p in pids if (st := proc_stat(p)) is not None and st.alive)
         left += sorted({pid for _, pid in dep.seen} & live_groups())  # engines too
         if not left:
             break
