@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.kv import blocks
+from splitserve.kv.link import Link
 from splitserve.kv.pair_channel import CONSUMER_RANK, PairChannel, TransferError, connect_store
 from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.shm import ConsumerStaging
@@ -81,33 +82,13 @@ class LoadResult:
     error: str | None = None
 
 
-class _Conn:
-    """A handshaken side-channel socket and where its bytes travel: a pair channel, or (same
-    host) our shared-memory segment."""
-
-    def __init__(self, sock: socket.socket, chan: PairChannel | None,
-                 shm: ConsumerStaging | None) -> None:
-        self.sock, self.chan, self.shm = sock, chan, shm
-
-    @property
-    def broken(self) -> bool:
-        return self.chan is not None and self.chan.closed
-
-    def close(self) -> None:
-        if self.chan is not None:
-            self.chan.close()
-        if self.shm is not None:
-            self.shm.close()
-        self.sock.close()
-
-
 class _Peer:
     """One producer address. `lock` serialises the connect and each transfer on it."""
 
     def __init__(self, host: str, port: int) -> None:
         self.host, self.port = host, port
         self.lock = threading.Lock()
-        self.conn: _Conn | None = None
+        self.conn: Link[ConsumerStaging] | None = None
         self.shm_ok = True  # False once /dev/shm had no room: the pair channel from then on
         # Loads from this producer fail at once until then (monotonic time): a load from it
         # timed out and lost the link. An in-step load makes the whole decode batch wait, so
@@ -286,13 +267,14 @@ class Consumer:
         with self._peers_lock:
             return self._peers.setdefault((tk.host, tk.port), _Peer(tk.host, tk.port))
 
-    def _connected(self, peer: _Peer, tk: KVTicket) -> _Conn:
+    def _connected(self, peer: _Peer, tk: KVTicket) -> Link[ConsumerStaging]:
         """The peer's connection, made now if it has none (caller holds `peer.lock`)."""
         if peer.conn is None:
             peer.conn = self._connect(peer.host, peer.port, tk.engine_id, peer.shm_ok)
         return peer.conn
 
-    def _connect(self, host: str, port: int, engine_id: str | None, shm_ok: bool) -> _Conn:
+    def _connect(self, host: str, port: int, engine_id: str | None,
+                 shm_ok: bool) -> Link[ConsumerStaging]:
         assert self._spec is not None
         s = self.settings
         try:
@@ -337,7 +319,7 @@ class Consumer:
                                        f"secret: authentication failed")
             if shared:
                 log.info("KV link %s up through shared memory (%s)", pair_key, shm.segment.name)
-                return _Conn(sock, None, shm)
+                return Link(None, shm, sock)
             if shm is not None:
                 shm.close()  # not taken: another host (or IPC namespace)
                 shm = None
@@ -349,4 +331,4 @@ class Consumer:
             sock.close()
             raise
         log.info("KV pair channel %s up", pair_key)
-        return _Conn(sock, chan, None)
+        return Link(chan, None, sock)

@@ -34,6 +34,7 @@ import torch
 
 from splitserve.kv import blocks
 from splitserve.kv.board import BoardWriter
+from splitserve.kv.link import Link
 from splitserve.kv.pair_channel import PRODUCER_RANK, PairChannel, TransferError, host_store
 from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.shm import ProducerAttachment
@@ -56,19 +57,6 @@ log = logging.getLogger(__name__)
 # How long a pull waits for its transfer to be registered: the consumer can learn the ticket
 # (via the router) before this engine's next step has told the worker about it.
 REGISTER_WAIT_S = 5.0
-
-
-class _Link:
-    """How one connection's bytes travel: the consumer's shared memory, or a pair channel."""
-
-    def __init__(self, chan: PairChannel | None, shm: ProducerAttachment | None) -> None:
-        self.chan, self.shm = chan, shm
-
-    def close(self) -> None:
-        if self.chan is not None:
-            self.chan.close()
-        if self.shm is not None:
-            self.shm.close()
 
 
 class Producer:
@@ -160,7 +148,7 @@ class Producer:
             conn.close()
 
     def _serve(self, conn: socket.socket, addr) -> None:
-        link: _Link | None = None
+        link: Link[ProducerAttachment] | None = None
         timeout_s = self.settings.timeout_s
         conn.settimeout(timeout_s)
         try:
@@ -190,7 +178,7 @@ class Producer:
                 self.connections -= 1
             self._slots.release()
 
-    def _handshake(self, conn: socket.socket) -> _Link | None:
+    def _handshake(self, conn: socket.socket) -> Link[ProducerAttachment] | None:
         """challenge → hello (the consumer's proof and challenge) → ok (ours) or refusal.
 
         The consumer may offer its shared-memory segment; we take it if we can open it and
@@ -232,11 +220,11 @@ class Producer:
                         "proof": auth_proof(s.secret, PRODUCER, challenge, theirs, bound)
                         if s.secret else ""})
         if shm is not None:
-            return _Link(None, shm)
-        return _Link(PairChannel(self._store, pair_key, PRODUCER_RANK, device, s.timeout_s,
+            return Link(None, shm)
+        return Link(PairChannel(self._store, pair_key, PRODUCER_RANK, device, s.timeout_s,
                                  s.host), None)
 
-    def _serve_pull(self, conn: socket.socket, link: _Link, msg: dict) -> None:
+    def _serve_pull(self, conn: socket.socket, link: Link[ProducerAttachment], msg: dict) -> None:
         tid = TransferId(str(msg.get("transfer_id")))
         want = [int(b) for b in msg.get("block_ids", [])]
         try:
