@@ -25,6 +25,7 @@ only: elsewhere `available()` is false and the pair channel serves.
 from __future__ import annotations
 
 import fcntl
+import functools
 import logging
 import mmap
 import os
@@ -51,7 +52,6 @@ def available() -> bool:
 
 
 ORPHAN_MIN_AGE_S = 60.0  # younger segments are left alone: their creator may not hold the lock yet
-_swept = False  # once per process, before its first segment
 
 
 def leftover_segments() -> list[str]:
@@ -88,6 +88,13 @@ def sweep_orphans(min_age_s: float = ORPHAN_MIN_AGE_S) -> list[str]:
     return removed
 
 
+@functools.cache
+def _sweep_once() -> None:
+    """Once per process, before its first segment: enough to keep dead processes' segments from
+    piling up across restarts, without a scan of /dev/shm for every segment made."""
+    sweep_orphans()
+
+
 class Segment:
     """A mapped segment; `tensor(n)` is a uint8 view of its first n bytes."""
 
@@ -105,10 +112,7 @@ class Segment:
         Its pages are reserved now: a tmpfs that is too small (a container's default /dev/shm
         is 64 MiB) would otherwise accept the size and kill whoever first touches a page
         beyond its room with SIGBUS."""
-        global _swept
-        if not _swept:
-            _swept = True
-            sweep_orphans()
+        _sweep_once()
         shm = shared_memory.SharedMemory(name=PREFIX + uuid.uuid4().hex[:24], create=True,
                                          size=max(nbytes, MIN_BYTES))
         try:
