@@ -10,7 +10,9 @@ A name with `:sessions` after it (`1p1d:sessions`) runs that deployment with eac
 session of its own, as before 2026-12-03 (deploy/procs.py says why they now share ours): the
 A/B of that change. Every deployment gets the same fresh random prompts per (rate, driver): one
 seed each, so no prefix-cache help and one workload for all. Drivers: vLLM's `vllm bench
-serve` and `splitserve bench`, both against the OpenAI HTTP front.
+serve` and `splitserve bench`, both against the OpenAI HTTP front. `--long-fraction 0.2` mixes
+long-document requests (`--long-input-len`, `--long-output-len`) into the short ones: the mixed
+workload, which only `splitserve bench` can draw.
 
     python bench/goodput.py [--rates 2,3,4,6] [--num-prompts 40] [--deployments ...]
                             [--drivers vllm,splitserve] [--stream-interval 1] [--json FILE]
@@ -29,7 +31,15 @@ import tempfile
 from pathlib import Path
 
 from bench.host import machine
-from bench.vs_vllm import drive, start_vllm, stop_vllm, wait_http, workload_arguments
+from bench.metrics import SLO
+from bench.vs_vllm import (
+    check_workload,
+    drive,
+    start_vllm,
+    stop_vllm,
+    wait_http,
+    workload_arguments,
+)
 from deploy.procs import ProcessSet
 from splitserve.models import resolve_model
 from splitserve.roles import Role
@@ -86,13 +96,23 @@ def engines(dep: str) -> int:
     return len(DEPLOYMENTS[parse(dep)[0]][0]) or 1
 
 
-def goodput(rows: list[dict], dep: str, driver: str, target: float) -> float:
+def attainment(requests: list[dict], slo: SLO) -> float:
+    """The share of a drive's requests (its per-request rows, bench/run.py) that meet `slo`."""
+    met = sum(slo.meets_times(q["ok"], q["ttft_s"], q["tpot_s"], q["e2e_s"]) for q in requests)
+    return met / len(requests) if requests else 0.0
+
+
+def goodput(rows: list[dict], dep: str, driver: str, target: float,
+            key: str = "attainment") -> float:
     ok = [r["rate"] for r in rows if (r["deployment"], r["driver"]) == (dep, driver)
-          and r["attainment"] >= target]
+          and r.get(key, 0.0) >= target]
     return max(ok, default=0.0)
 
 
-def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: float) -> str:
+def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: float,
+              key: str = "attainment") -> str:
+    """The table and the goodputs, by `key`: the attainment at the drives' own SLO, or
+    "attainment_also" (--also-slo)."""
     lines = [f"{'driver':10} {'rate':>5} {'deployment':12} {'attain':>7} {'TTFT p50':>9} "
              f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"]
     for driver in drivers:
@@ -100,7 +120,7 @@ def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: flo
             for dep in deps:
                 for r in rows:
                     if (r["deployment"], r["driver"], r["rate"]) == (dep, driver, rate):
-                        lines.append(f"{driver:10} {rate:5g} {dep:12} {r['attainment']:7.0%} "
+                        lines.append(f"{driver:10} {rate:5g} {dep:12} {r[key]:7.0%} "
                                      f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} "
                                      f"{r['median_tpot_ms']:9.1f} {r['p99_tpot_ms']:9.1f}")
     lines.append(f"\ngoodput at {target:.0%} attainment (req/s), and per engine; "
@@ -108,8 +128,8 @@ def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: flo
     for driver in drivers:
         for dep in deps:
             plain = "vllm:sessions" if parse(dep)[1] else "vllm"
-            base = goodput(rows, plain, driver, target) if plain in deps else 0.0
-            g = goodput(rows, dep, driver, target)
+            base = goodput(rows, plain, driver, target, key) if plain in deps else 0.0
+            g = goodput(rows, dep, driver, target, key)
             per = g / engines(dep)
             ratio = f"{per / base:.2f}x" if base else "n/a"
             lines.append(f"{driver:10} {dep:12} goodput {g:5g}  per engine {per:5.2f}  {ratio}")
@@ -124,14 +144,19 @@ def main() -> None:
     ap.add_argument("--rates", default="2,3,4,6")
     workload_arguments(ap)
     ap.add_argument("--target", type=float, default=0.9)
+    ap.add_argument("--also-slo", default=None, metavar="ttft=MS,tpot=MS",
+                    help="score the `splitserve bench` drives against this SLO too, from their "
+                         "per-request times (e.g. the seed's ttft=3000,tpot=100)")
     ap.add_argument("--cores", type=int, default=2, help="cores the engines spread over")
     ap.add_argument("--seed", type=int, default=2000)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    check_workload(ap, a)
     a.engine_cores = "0"  # plain vLLM's one engine (start_vllm reads it)
     model = resolve_model(a.model)
     deps, drivers = a.deployments.split(","), a.drivers.split(",")
     parsed = [parse(dep) for dep in deps]  # fails before anything starts
+    also = SLO.parse(a.also_slo) if a.also_slo else None
     rates = [float(r) for r in a.rates.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-goodput-"))
     rows: list[dict] = []
@@ -144,6 +169,9 @@ def main() -> None:
             for i, (driver, rate) in enumerate((d, r) for d in drivers for r in rates):
                 seed = a.seed + i  # the same prompts for every deployment
                 r = drive(driver, url, model, rate, seed, a, tmp / f"{dep}-{driver}-{rate}.json")
+                requests = r.pop("requests", None)  # `splitserve bench` drives only
+                if also is not None and requests is not None:
+                    r["attainment_also"] = attainment(requests, also)
                 rows.append({"deployment": dep, "driver": driver, "rate": rate, "seed": seed,
                              **r})
                 print(f"{dep:12} {driver:10} rate {rate:g} attainment {r['attainment']:.0%} "
@@ -152,6 +180,9 @@ def main() -> None:
         finally:
             stop(procs, vllm)
     print(summarize(rows, deps, drivers, a.target))
+    if also is not None:
+        print(f"\nat the SLO {also}, `splitserve bench` drives only:")
+        print(summarize(rows, deps, ["splitserve"], a.target, key="attainment_also"))
     if a.json:
         Path(a.json).parent.mkdir(parents=True, exist_ok=True)
         Path(a.json).write_text(json.dumps({"machine": machine(), "args": vars(a),

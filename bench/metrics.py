@@ -116,17 +116,18 @@ class SLO:
     def meets(self, r: RequestResult) -> bool:
         """Succeeded and within every target that is set. A 1-token output has no TPOT and so
         cannot miss the TPOT target; a request with no streamed token misses any TTFT target."""
-        if not r.ok:
+        return self.meets_times(r.ok, r.ttft, r.tpot, r.e2e)
+
+    def meets_times(self, ok: bool, ttft_s: float | None, tpot_s: float | None,
+                    e2e_s: float) -> bool:
+        """`meets` for a request known by its times (a result file's per-request row)."""
+        if not ok:
             return False
-        if self.ttft_ms is not None:
-            ttft = r.ttft
-            if ttft is None or ttft * 1e3 > self.ttft_ms:
-                return False
-        if self.tpot_ms is not None:
-            tpot = r.tpot
-            if tpot is not None and tpot * 1e3 > self.tpot_ms:
-                return False
-        return self.e2el_ms is None or r.e2e * 1e3 <= self.e2el_ms
+        if self.ttft_ms is not None and (ttft_s is None or ttft_s * 1e3 > self.ttft_ms):
+            return False
+        if self.tpot_ms is not None and tpot_s is not None and tpot_s * 1e3 > self.tpot_ms:
+            return False
+        return self.e2el_ms is None or e2e_s * 1e3 <= self.e2el_ms
 
 
 def _pword(p: float) -> str:

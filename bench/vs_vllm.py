@@ -120,6 +120,9 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
                "--output-len", f"uniform:{olo:.0f}-{ohi:.0f}", "--rate", str(rate),
                "--seed", str(seed), "--slo", f"ttft={ttft},tpot={tpot}", "--no-progress",
                "--result-json", str(out)]
+        if a.long_fraction:
+            cmd += ["--long-fraction", str(a.long_fraction), "--long-input-len",
+                    a.long_input_len, "--long-output-len", a.long_output_len]
     # The load generator stays in our session, with the deployment (deploy/procs.py says why
     # sessions matter): in a session of its own, the busy engines' spinning waits starved it
     # (1P+1D's streams then arrived whole; docs/benchmarks.md, "One session for the whole
@@ -137,7 +140,7 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
                 "completed": done, **{k: r[k] for k in METRICS[2:6]}}
     return {"attainment": r["slo_attainment"], "goodput": r["slo_attainment"] *
             r["request_throughput"], "completed": r["completed"],
-            **{k: r[k] for k in METRICS[2:6]}}
+            **{k: r[k] for k in METRICS[2:6]}, "requests": r["runs"][0]["requests"]}
 
 
 def workload_arguments(ap: argparse.ArgumentParser) -> None:
@@ -147,6 +150,11 @@ def workload_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--input-len", type=int, default=1536)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--range-ratio", type=float, default=0.333)
+    ap.add_argument("--long-fraction", type=float, default=0.0,
+                    help="share of long-document requests mixed in (the mixed workload: "
+                         "`splitserve bench` only, vLLM's random dataset draws one length range)")
+    ap.add_argument("--long-input-len", default="uniform:1024-2048")
+    ap.add_argument("--long-output-len", default="fixed:16")
     ap.add_argument("--slo-ttft-ms", type=float, default=1000)
     ap.add_argument("--slo-tpot-ms", type=float, default=25)
     ap.add_argument("--drivers", default="vllm,splitserve")
@@ -157,6 +165,13 @@ def workload_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--stream-interval", type=int, default=1,
                     help="tokens per streamed message, at least, for both servers (vLLM's "
                          "--stream-interval and the router's)")
+
+
+def check_workload(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
+    """Refuse, before anything starts, what `drive` cannot run."""
+    if a.long_fraction and "vllm" in a.drivers.split(","):
+        ap.error("--long-fraction: `vllm bench serve` cannot draw a mixture; add "
+                 "--drivers splitserve")
 
 
 def main() -> None:
@@ -171,6 +186,7 @@ def main() -> None:
     ap.add_argument("--json", default=None)
     ap.add_argument("--profile", default=None, help="write py-spy flame graphs (SVG) here")
     a = ap.parse_args()
+    check_workload(ap, a)
     model = resolve_model(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-vs-vllm-"))
     procs = ProcessSet(log_dir=tmp)
