@@ -138,7 +138,7 @@ def _router(a: argparse.Namespace) -> int:
         max_model_len=a.max_model_len, max_concurrency=a.max_concurrency, max_queue=a.max_queue,
         admit_ttft_slo_s=a.admit_ttft_slo, admit_tpot_slo_s=a.admit_tpot_slo,
         local_prefill_threshold=a.local_prefill_threshold,
-        conditional_disaggregation=a.conditional_disaggregation,
+        conditional_disaggregation=a.conditional_disaggregation, tpot_slo_s=a.tpot_slo,
         http_port=a.http_port, prefix_affinity=a.prefix_affinity,
         api_keys=sec.api_keys_of(a), limits=_limits(a), drain_timeout_s=a.drain_timeout_s,
         max_migrations=a.max_migrations, stream_interval=a.stream_interval,
@@ -184,6 +184,8 @@ def _up(a: argparse.Namespace) -> int:
         router_args += ["--admit-tpot-slo", str(a.admit_tpot_slo)]
     if a.conditional_disaggregation:
         router_args.append("--conditional-disaggregation")
+    if a.tpot_slo is not None:
+        router_args += ["--tpot-slo", str(a.tpot_slo)]
     if a.model:  # requests may name the model as the user did (vLLM's tools send --model)
         router_args += ["--model-alias", a.model]
     for k in _LIMIT_FLAGS:
@@ -285,6 +287,11 @@ def _router_flags(p: argparse.ArgumentParser) -> None:
                    help="decide per request whether to prefill on a prefill worker or on the "
                         "decode worker, whichever adds less delay by live measurements "
                         "(router/split.py); default: always on a prefill worker")
+    p.add_argument("--tpot-slo", type=float, default=None, metavar="SECONDS",
+                   help="the time per output token promised to clients: with "
+                        "--conditional-disaggregation, no prompt prefills on a decode worker "
+                        "when that would push a stream decoding there past it; default: "
+                        "--admit-tpot-slo's value if set, else none")
     p.add_argument("--http-port", type=int, default=8000,
                    help="OpenAI-compatible HTTP API, /metrics and /health (0: any free port)")
     p.add_argument("--stream-interval", type=int, default=1, metavar="TOKENS",

@@ -35,6 +35,10 @@ class RouterConfig:
     # Per request, prefill remotely or on the decode worker, whichever adds less delay by the
     # router's live measurements (router/split.py). Off: always remote (within the threshold).
     conditional_disaggregation: bool = False
+    # The time per output token promised to clients: conditional disaggregation prefills no
+    # prompt on a decode worker where that would push a stream decoding there past it
+    # (router/split.py). None = admit_tpot_slo_s's value (None too: seconds alone decide).
+    tpot_slo_s: float | None = None
     # Requests sharing a first KV block go to the same prefill and decode workers, within a
     # load bound (router/policy.py). Off: least queued prompt tokens / power of two choices.
     prefix_affinity: bool = True
@@ -68,7 +72,7 @@ class RouterConfig:
                 raise ValueError(f"{name} must be positive, got {getattr(self, name)}")
         if self.max_migrations < 0:
             raise ValueError(f"max_migrations must be >= 0, got {self.max_migrations}")
-        for name in ("admit_ttft_slo_s", "admit_tpot_slo_s"):
+        for name in ("admit_ttft_slo_s", "admit_tpot_slo_s", "tpot_slo_s"):
             value = getattr(self, name)
             if value is not None and not value > 0:
                 raise ValueError(f"{name} must be positive, got {value}")

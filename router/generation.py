@@ -98,7 +98,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         self.tpot_admission = (TpotAdmission(cfg.admit_tpot_slo_s)
                                if cfg.admit_tpot_slo_s is not None else None)
         self.rng = random.Random()
-        self.split = PrefillSplit() if cfg.conditional_disaggregation else None
+        tpot_slo = cfg.tpot_slo_s if cfg.tpot_slo_s is not None else cfg.admit_tpot_slo_s
+        self.split = (PrefillSplit(tpot_slo_s=tpot_slo) if cfg.conditional_disaggregation
+                      else None)
 
     # -- RPCs ---------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
@@ -308,15 +310,15 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
             prefill, decode = self.route(len(ids) + len(out), local, exclude=failed,
                                          prompt_ids=ids)
             prompt = [*ids, *out] if out else ids  # after a migration: what was streamed too
+            rest = remaining(sp, len(out))
             track = None
             if self.split is not None:  # conditional disaggregation (router/split.py)
                 placement = self.split.place(prompt, prefill, decode)
                 prefill = prefill if placement.remote else None
-                track = self.split.started(placement, prefill, decode)
+                track = self.split.started(placement, prefill, decode, rest.max_tokens)
             if not failed:
                 trace.admitted(len(ids), prefill is not None)
-            flow = run_flow(rid, prompt, remaining(sp, len(out)), prefill, decode, deadline,
-                            timings)
+            flow = run_flow(rid, prompt, rest, prefill, decode, deadline, timings)
             try:
                 async with contextlib.aclosing(flow):
                     async for ev in flow:

@@ -24,6 +24,18 @@ Before a rate is known the same rule runs with every rate equal and no hand-off:
 local exactly when the decode worker has nothing to stall and nothing queued beyond what the
 prefill worker has. Ties go local (no transfer to pay for, nothing held on two workers).
 
+Seconds summed over a batch are not what a client is promised, though: with a TPOT SLO
+(`--tpot-slo`, or `--admit-tpot-slo` when only that is set), a local prefill must also leave
+every stream decoding on that worker inside it. Each stream's time per output token is projected
+to its end, as the router streams it: its time since its first token, plus the stall (the local
+prefills queued there and this one, at the worker's prefill rate), plus its remaining tokens at
+its own pace since its second token, over its tokens after the first (`max_tokens`: a stream
+that stops early at its end-of-sequence token spreads the stall over fewer tokens than that, so
+the check is optimistic for it). A stall that would push any of them past the SLO, or one
+already past it, sends the prompt remote, whatever the seconds say: a chat prompt's prefill is
+cheap once, but on a busy decode worker it lands in every stream's steps, and many of them add
+up to TPOT misses (docs/benchmarks.md, the mixed workload).
+
 Off unless the router runs with `--conditional-disaggregation`; off, a prompt disaggregates
 unless it is shorter than `--local-prefill-threshold` or the request asks for a local prefill.
 """
@@ -83,10 +95,12 @@ class Costs:
 
     remote: float
     local: float
+    # False: a local prefill would push a stream decoding on that worker past the TPOT SLO.
+    local_keeps_tpot: bool = True
 
     @property
     def is_remote(self) -> bool:
-        return self.remote < self.local
+        return self.remote < self.local or not self.local_keeps_tpot
 
 
 @dataclass(slots=True)
@@ -97,6 +111,38 @@ class Placement:
     prefill_tokens: int  # the uncached part of the prompt on the worker that prefills it
     hashes: list[bytes]
     costs: Costs | None = None  # None: not decided here (forced local, or no prefill pool)
+
+
+@dataclass(slots=True, eq=False)  # kept in sets: each one is itself
+class _Stream:
+    """A request streaming from a decode worker, as the router sees its tokens arrive."""
+
+    expected: int  # output tokens it may stream in all (its max_tokens)
+    first_at: float | None = None
+    tokens: int = 0
+    mark_at: float = 0.0  # the event after the first token: its pace is measured from here,
+    mark_tokens: int = 0  # beyond the hand-off's gap
+    last_at: float = 0.0
+
+    def add(self, n: int, now: float) -> None:
+        if self.first_at is None:
+            self.first_at = now
+        elif not self.mark_tokens:
+            self.mark_at, self.mark_tokens = now, self.tokens + n
+        self.tokens += n
+        self.last_at = now
+
+    def pace(self) -> float | None:
+        """Seconds per token since its second token, or None before two events after it."""
+        if not self.mark_tokens or self.tokens <= self.mark_tokens:
+            return None
+        return (self.last_at - self.mark_at) / (self.tokens - self.mark_tokens)
+
+    def tpot_after(self, stall_s: float, now: float, pace: float) -> float:
+        """Its time per output token at its end, were it stalled `stall_s` now."""
+        assert self.first_at is not None
+        left = max(self.expected - self.tokens, 0)
+        return (now - self.first_at + stall_s + left * pace) / max(self.expected - 1, 1)
 
 
 class _Gap:
@@ -114,11 +160,14 @@ class _Gap:
 class PrefillSplit:
     """Decides remote or local prefill per request, and learns from how requests went."""
 
-    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, clock: Callable[[], float] = time.monotonic,
+                 tpot_slo_s: float | None = None) -> None:
         self.clock = clock
+        self.tpot_slo_s = tpot_slo_s
         self.meters: dict[str, PrefillMeter] = {}
         self.prefixes = PrefixMemory()
         self._gap = {True: _Gap(), False: _Gap()}  # keyed by remote
+        self.streams: dict[str, set[_Stream]] = {}  # by decode worker id
 
     def meter(self, w: Worker) -> PrefillMeter:
         m = self.meters.get(w.worker_id)
@@ -144,15 +193,35 @@ class PrefillSplit:
     def costs(self, up: int, ud: int, prefill: Worker, decode: Worker) -> Costs:
         """`up`, `ud`: the prompt's uncached tokens on the prefill and on the decode worker."""
         rp, rd = self._rate(prefill), self._rate(decode)
-        if rp is None or rd is None:  # equal rates, no hand-off: compare token counts
+        rates_unknown = rp is None or rd is None
+        if rates_unknown:  # equal rates, no hand-off: compare token counts
             rp = rd = 1.0
             handoff = 0.0
         else:
             handoff = self.handoff_s()
         mp, md = self.meter(prefill), self.meter(decode)
         batch = max(decode.inflight, decode.load.running)
+        keeps = (self.tpot_slo_s is None or rates_unknown
+                 or self.keeps_tpot(decode, (md.pending + ud) / rd))
         return Costs(remote=(mp.pending + up) / rp + handoff,
-                     local=(md.pending + ud) / rd + batch * ud / rd)
+                     local=(md.pending + ud) / rd + batch * ud / rd, local_keeps_tpot=keeps)
+
+    def keeps_tpot(self, decode: Worker, stall_s: float) -> bool:
+        """Whether every stream decoding on `decode` stays inside the TPOT SLO through a stall
+        of `stall_s` seconds now. A stream without a pace of its own yet goes at the worker's
+        (the mean of those that have one), or at no time per token when none has."""
+        assert self.tpot_slo_s is not None
+        live = [s for s in self.streams.get(decode.worker_id, ()) if s.first_at is not None]
+        if not live:
+            return True
+        paces = [p for p in (s.pace() for s in live) if p is not None]
+        step = sum(paces) / len(paces) if paces else 0.0
+        now = self.clock()
+        for s in live:
+            pace = s.pace()
+            if s.tpot_after(stall_s, now, step if pace is None else pace) > self.tpot_slo_s:
+                return False
+        return True
 
     def place(self, prompt_ids: Sequence[int], prefill: Worker | None,
               decode: Worker) -> Placement:
@@ -173,15 +242,26 @@ class PrefillSplit:
         cached = self.prefixes.cached_blocks(w.worker_id, hashes) * block_size
         return max(prompt_len - cached, 1)  # vLLM always computes the last prompt token
 
-    def started(self, p: Placement, prefill: Worker | None, decode: Worker) -> Track:
-        """The request goes out as placed: its blocks will be on the workers that get them, and
-        its prefill counts as queued on the worker that runs it until its first token."""
+    def started(self, p: Placement, prefill: Worker | None, decode: Worker,
+                max_tokens: int) -> Track:
+        """The request goes out as placed: its blocks will be on the workers that get them, its
+        prefill counts as queued on the worker that runs it until its first token, and it
+        streams from `decode` (at most `max_tokens` tokens) until it leaves."""
         if p.remote and prefill is not None:
             self.prefixes.sent(prefill, p.hashes)
         self.prefixes.sent(decode, p.hashes)  # pulled or prefilled there, cached either way
         m = self.meter(prefill if p.remote and prefill is not None else decode)
         m.start(p.prefill_tokens)
-        return Track(self, p, m)
+        stream = _Stream(max_tokens)
+        self.streams.setdefault(decode.worker_id, set()).add(stream)
+        return Track(self, p, m, decode.worker_id, stream)
+
+    def ended(self, worker_id: str, stream: _Stream) -> None:
+        on = self.streams.get(worker_id)
+        if on is not None:
+            on.discard(stream)
+            if not on:
+                del self.streams[worker_id]
 
     def saw_gap(self, remote: bool, seconds: float) -> None:
         """A request's first-to-second-token gap, by where it prefilled."""
@@ -197,29 +277,37 @@ class PrefillSplit:
 
 class Track:
     """One placed request's progress: the first token ends its prefill (the worker's meter
-    learns the rate), the second one measures the gap its placement caused."""
+    learns the rate), the second one measures the gap its placement caused, and every token
+    paces its stream for the TPOT check until it leaves."""
 
-    __slots__ = ("_split", "_placement", "_meter", "_first_at", "_open")
+    __slots__ = ("_split", "_placement", "_meter", "_worker_id", "_stream", "_gap_open",
+                 "_open")
 
-    def __init__(self, split: PrefillSplit, placement: Placement, meter: PrefillMeter) -> None:
+    def __init__(self, split: PrefillSplit, placement: Placement, meter: PrefillMeter,
+                 worker_id: str, stream: _Stream) -> None:
         self._split, self._placement, self._meter = split, placement, meter
-        self._first_at: float | None = None
-        self._open = True  # until the gap is measured or the request leaves
+        self._worker_id, self._stream = worker_id, stream
+        self._gap_open = True  # until the gap is measured (or there is none to measure)
+        self._open = True  # until the request leaves
 
     def tokens(self, n: int) -> None:
         if n <= 0 or not self._open:
             return
         now = self._split.clock()
-        if self._first_at is None:
-            self._first_at = now
+        s = self._stream
+        if s.first_at is None:
             self._meter.answered(self._placement.prefill_tokens)
-            self._open = n == 1  # a second token that came with the first leaves no gap
-            return
-        self._split.saw_gap(self._placement.remote, now - self._first_at)
-        self._open = False
+            self._gap_open = n == 1  # a second token that came with the first leaves no gap
+        elif self._gap_open:
+            self._split.saw_gap(self._placement.remote, now - s.first_at)
+            self._gap_open = False
+        s.add(n, now)
 
     def close(self) -> None:
         """The request left these workers (finished, failed or cancelled)."""
-        if self._open and self._first_at is None:  # never answered (and not closed before)
-            self._meter.abandoned(self._placement.prefill_tokens)
+        if not self._open:
+            return
         self._open = False
+        if self._stream.first_at is None:  # never answered
+            self._meter.abandoned(self._placement.prefill_tokens)
+        self._split.ended(self._worker_id, self._stream)
