@@ -6,6 +6,8 @@ the SLOs per engine than the alternatives? Deployments, one at a time (started, 
   colocated2   router + 2 colocated workers, an engine per core
   1p1d         router + 1 prefill + 1 decode worker, an engine per core
   conditional  the same 1p1d with `--conditional-disaggregation` (router/split.py)
+  conditional-tpot  conditional, told the TPOT SLO it is scored against (`--tpot-slo`): no
+               local prefill that would push a decoding stream past it
 A name with `:sessions` after it (`1p1d:sessions`) runs that deployment with each process in a
 session of its own, as before 2026-12-03 (deploy/procs.py says why they now share ours): the
 A/B of that change. Every deployment gets the same fresh random prompts per (rate, driver): one
@@ -41,6 +43,7 @@ from bench.vs_vllm import (
     workload_arguments,
 )
 from deploy.procs import ProcessSet
+from splitserve import scrape
 from splitserve.models import resolve_model
 from splitserve.roles import Role
 
@@ -50,6 +53,8 @@ DEPLOYMENTS = {
     "colocated2": ([Role.COLOCATED, Role.COLOCATED], []),
     "1p1d": ([Role.PREFILL, Role.DECODE], []),
     "conditional": ([Role.PREFILL, Role.DECODE], ["--conditional-disaggregation"]),
+    "conditional-tpot": ([Role.PREFILL, Role.DECODE],
+                         ["--conditional-disaggregation", "--tpot-slo", "{tpot_slo_s}"]),
 }
 
 
@@ -61,7 +66,8 @@ def start(name: str, a: argparse.Namespace, model: str, procs: ProcessSet,
         url = f"http://127.0.0.1:{a.vllm_port}"
         wait_http(url)
         return url, p
-    roles, router_flags = DEPLOYMENTS[name]
+    roles, flags = DEPLOYMENTS[name]
+    router_flags = [f.format(tpot_slo_s=a.slo_tpot_ms / 1000) for f in flags]
     router = procs.spawn("router", ["router", "--model", model, "--grpc-port", "0",
                                     "--http-port", str(a.splitserve_port),
                                     "--max-model-len", str(a.max_model_len),
@@ -96,10 +102,22 @@ def engines(dep: str) -> int:
     return len(DEPLOYMENTS[parse(dep)[0]][0]) or 1
 
 
+def prefills(url: str) -> dict[str, float]:
+    """The router's prefills so far by where they ran ("local", "remote"): its /metrics."""
+    return scrape.by_label(scrape.fetch(url + "/metrics"), "splitserve:routing_decisions_total",
+                           "prefill")
+
+
 def attainment(requests: list[dict], slo: SLO) -> float:
     """The share of a drive's requests (its per-request rows, bench/run.py) that meet `slo`."""
     met = sum(slo.meets_times(q["ok"], q["ttft_s"], q["tpot_s"], q["e2e_s"]) for q in requests)
     return met / len(requests) if requests else 0.0
+
+
+def _split(row: dict) -> str:
+    if "local_prefills" not in row:
+        return ""
+    return f" prefills local/remote {row['local_prefills']:.0f}/{row['remote_prefills']:.0f}"
 
 
 def goodput(rows: list[dict], dep: str, driver: str, target: float,
@@ -113,16 +131,17 @@ def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: flo
               key: str = "attainment") -> str:
     """The table and the goodputs, by `key`: the attainment at the drives' own SLO, or
     "attainment_also" (--also-slo)."""
-    lines = [f"{'driver':10} {'rate':>5} {'deployment':12} {'attain':>7} {'TTFT p50':>9} "
+    lines = [f"{'driver':10} {'rate':>5} {'deployment':16} {'attain':>7} {'TTFT p50':>9} "
              f"{'TTFT p99':>9} {'TPOT p50':>9} {'TPOT p99':>9}"]
     for driver in drivers:
         for rate in sorted({r["rate"] for r in rows}):
             for dep in deps:
                 for r in rows:
                     if (r["deployment"], r["driver"], r["rate"]) == (dep, driver, rate):
-                        lines.append(f"{driver:10} {rate:5g} {dep:12} {r[key]:7.0%} "
+                        lines.append(f"{driver:10} {rate:5g} {dep:16} {r[key]:7.0%} "
                                      f"{r['median_ttft_ms']:9.0f} {r['p99_ttft_ms']:9.0f} "
-                                     f"{r['median_tpot_ms']:9.1f} {r['p99_tpot_ms']:9.1f}")
+                                     f"{r['median_tpot_ms']:9.1f} {r['p99_tpot_ms']:9.1f}"
+                                     f"{_split(r)}")
     lines.append(f"\ngoodput at {target:.0%} attainment (req/s), and per engine; "
                  "ratio = per engine / plain vLLM's per engine (in the same session layout)")
     for driver in drivers:
@@ -132,7 +151,7 @@ def summarize(rows: list[dict], deps: list[str], drivers: list[str], target: flo
             g = goodput(rows, dep, driver, target, key)
             per = g / engines(dep)
             ratio = f"{per / base:.2f}x" if base else "n/a"
-            lines.append(f"{driver:10} {dep:12} goodput {g:5g}  per engine {per:5.2f}  {ratio}")
+            lines.append(f"{driver:10} {dep:16} goodput {g:5g}  per engine {per:5.2f}  {ratio}")
     return "\n".join(lines)
 
 
@@ -168,15 +187,20 @@ def main() -> None:
             url, vllm = start(name, a, model, procs, tmp)
             for i, (driver, rate) in enumerate((d, r) for d in drivers for r in rates):
                 seed = a.seed + i  # the same prompts for every deployment
+                before = prefills(url) if vllm is None else {}
                 r = drive(driver, url, model, rate, seed, a, tmp / f"{dep}-{driver}-{rate}.json")
+                if vllm is None:  # where this drive's prefills ran
+                    after = prefills(url)
+                    r["local_prefills"] = after.get("local", 0) - before.get("local", 0)
+                    r["remote_prefills"] = after.get("remote", 0) - before.get("remote", 0)
                 requests = r.pop("requests", None)  # `splitserve bench` drives only
                 if also is not None and requests is not None:
                     r["attainment_also"] = attainment(requests, also)
                 rows.append({"deployment": dep, "driver": driver, "rate": rate, "seed": seed,
                              **r})
-                print(f"{dep:12} {driver:10} rate {rate:g} attainment {r['attainment']:.0%} "
+                print(f"{dep:16} {driver:10} rate {rate:g} attainment {r['attainment']:.0%} "
                       f"TTFT p50 {r['median_ttft_ms']:.0f} ms TPOT p50 "
-                      f"{r['median_tpot_ms']:.1f} ms", file=sys.stderr, flush=True)
+                      f"{r['median_tpot_ms']:.1f} ms{_split(r)}", file=sys.stderr, flush=True)
         finally:
             stop(procs, vllm)
     print(summarize(rows, deps, drivers, a.target))
