@@ -29,12 +29,14 @@ Seconds summed over a batch are not what a client is promised, though: with a TP
 every stream decoding on that worker inside it. Each stream's time per output token is projected
 to its end, as the router streams it: its time since its first token, plus the stall (the local
 prefills queued there and this one, at the worker's prefill rate), plus its remaining tokens at
-its own pace since its second token, over its tokens after the first (`max_tokens`: a stream
-that stops early at its end-of-sequence token spreads the stall over fewer tokens than that, so
-the check is optimistic for it). A stall that would push any of them past the SLO, or one
-already past it, sends the prompt remote, whatever the seconds say: a chat prompt's prefill is
-cheap once, but on a busy decode worker it lands in every stream's steps, and many of them add
-up to TPOT misses (docs/benchmarks.md, the mixed workload).
+its own pace since its second token (one still waiting for that token gets it after the gap
+measured for its placement: the hand-off, for a remote prefill), over its tokens after the first
+(`max_tokens`: a stream that stops early at its end-of-sequence token spreads the stall over
+fewer tokens than that, so the check is optimistic for it). A stall that would push any of them
+past the SLO, or one already past it, sends the prompt remote, whatever the seconds say: a chat
+prompt's prefill is cheap once, but on a busy decode worker it lands in every stream's steps,
+and a long document's 16 tokens have little room for anyone's prefill (docs/benchmarks.md, the
+mixed workload).
 
 Off unless the router runs with `--conditional-disaggregation`; off, a prompt disaggregates
 unless it is shorter than `--local-prefill-threshold` or the request asks for a local prefill.
@@ -118,6 +120,7 @@ class _Stream:
     """A request streaming from a decode worker, as the router sees its tokens arrive."""
 
     expected: int  # output tokens it may stream in all (its max_tokens)
+    remote: bool  # prefilled on a prefill worker: its second token waits for the hand-off
     first_at: float | None = None
     tokens: int = 0
     mark_at: float = 0.0  # the event after the first token: its pace is measured from here,
@@ -138,11 +141,18 @@ class _Stream:
             return None
         return (self.last_at - self.mark_at) / (self.tokens - self.mark_tokens)
 
-    def tpot_after(self, stall_s: float, now: float, pace: float) -> float:
-        """Its time per output token at its end, were it stalled `stall_s` now."""
+    def tpot_after(self, stall_s: float, now: float, pace: float, gap_s: float) -> float:
+        """Its time per output token at its end, were it stalled `stall_s` now; `pace`: its
+        seconds per token from here, `gap_s`: the first-to-second-token gap its placement
+        shows (the hand-off, for a remote prefill), which its second token is still due in."""
         assert self.first_at is not None
+        elapsed = now - self.first_at
         left = max(self.expected - self.tokens, 0)
-        return (now - self.first_at + stall_s + left * pace) / max(self.expected - 1, 1)
+        if self.tokens == 1 and left:
+            span = max(elapsed, gap_s) + (left - 1) * pace
+        else:
+            span = elapsed + left * pace
+        return (span + stall_s) / max(self.expected - 1, 1)
 
 
 class _Gap:
@@ -209,17 +219,21 @@ class PrefillSplit:
     def keeps_tpot(self, decode: Worker, stall_s: float) -> bool:
         """Whether every stream decoding on `decode` stays inside the TPOT SLO through a stall
         of `stall_s` seconds now. A stream without a pace of its own yet goes at the worker's
-        (the mean of those that have one), or at no time per token when none has."""
+        (the mean of those that have one), or at no time per token when none has; one still
+        waiting for its second token gets it after the gap measured for its placement."""
         assert self.tpot_slo_s is not None
         live = [s for s in self.streams.get(decode.worker_id, ()) if s.first_at is not None]
         if not live:
             return True
         paces = [p for p in (s.pace() for s in live) if p is not None]
         step = sum(paces) / len(paces) if paces else 0.0
+        gaps = {remote: g.value if g.value is not None else step
+                for remote, g in self._gap.items()}
         now = self.clock()
         for s in live:
             pace = s.pace()
-            if s.tpot_after(stall_s, now, step if pace is None else pace) > self.tpot_slo_s:
+            if s.tpot_after(stall_s, now, step if pace is None else pace,
+                            gaps[s.remote]) > self.tpot_slo_s:
                 return False
         return True
 
@@ -252,7 +266,7 @@ class PrefillSplit:
         self.prefixes.sent(decode, p.hashes)  # pulled or prefilled there, cached either way
         m = self.meter(prefill if p.remote and prefill is not None else decode)
         m.start(p.prefill_tokens)
-        stream = _Stream(max_tokens)
+        stream = _Stream(max_tokens, p.remote and prefill is not None)
         self.streams.setdefault(decode.worker_id, set()).add(stream)
         return Track(self, p, m, decode.worker_id, stream)
 

@@ -8,7 +8,7 @@ import random
 import pytest
 
 from router.policy import block_hashes
-from router.split import PrefillSplit, PrefixMemory
+from router.split import Placement, PrefillSplit, PrefixMemory
 from splitserve.roles import Role
 from tests.router.test_policy import BLOCK, _worker
 from tests.router.test_slo import Clock
@@ -223,3 +223,17 @@ def test_a_stream_without_a_pace_of_its_own_goes_at_the_workers() -> None:
     fresh.close()
     paced.close()
     assert split.streams == {}
+
+
+def test_a_stream_waiting_for_its_hand_off_counts_the_gap_still_to_come() -> None:
+    for remote in (True, False):
+        split, clock, p, d = _measured(0.02)  # gaps seen: remote 150 ms, local 50 ms
+        ids = _ids(300, 78)
+        track = split.started(Placement(remote, 300, block_hashes(ids, BLOCK)),
+                              p if remote else None, d, 16)
+        track.tokens(1)  # its first token, no second yet, no pace anywhere
+        d.inflight += 1
+        # A 2,000-token prefill stalls it 0.2 s. Remote: its second token is still due after
+        # the 150 ms hand-off, (0.15 + 0.2) / 15 = 23 ms; local: (0.05 + 0.2) / 15 = 17 ms.
+        assert split.place(_ids(2000, 8), p, d).remote == remote, remote
+        track.close()
