@@ -9,13 +9,13 @@ from __future__ import annotations
 import os
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 
 from deploy.procs import Proc, ProcessSet
 from router.registry import worker_stub
+from splitserve import scrape
 from splitserve.kv import shm
 from splitserve.roles import Role
 from splitserve.v1 import generation_pb2_grpc, worker_pb2
@@ -85,14 +85,11 @@ class ProcCluster(ProcessSet):
 
     def outcomes(self, router: str) -> dict[str, float]:
         """The router's `splitserve:requests_total` by outcome (its /metrics)."""
-        url = self.by_name[router].endpoints["http"] + "/metrics"
-        text = urllib.request.urlopen(url, timeout=10).read().decode()
-        out = {}
-        for line in text.splitlines():
-            if line.startswith("splitserve:requests_total{"):
-                outcome = line.split('outcome="')[1].split('"')[0]
-                out[outcome] = float(line.rsplit(" ", 1)[1])
-        return out
+        return scrape.by_label(self.metrics(router), "splitserve:requests_total", "outcome")
+
+    def metrics(self, router: str) -> str:
+        """The router's /metrics page."""
+        return scrape.fetch(self.by_name[router].endpoints["http"] + "/metrics")
 
     def close(self) -> None:
         for ch in self._channels:

@@ -11,13 +11,13 @@ from __future__ import annotations
 
 import concurrent.futures as cf
 import math
-import urllib.request
 from pathlib import Path
 
 import grpc
 import httpx
 import pytest
 
+from splitserve import scrape
 from tests.e2e.cluster import ProcCluster
 from tests.e2e.conftest import static_router
 from tests.e2e.test_serving import _request, _stream
@@ -30,11 +30,7 @@ MAX_BURST = 48
 
 
 def _gauge(cl: ProcCluster, router: str, name: str) -> float:
-    text = urllib.request.urlopen(cl.by_name[router].endpoints["http"] + "/metrics",
-                                  timeout=10).read().decode()
-    (value,) = [float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-                if line.startswith(name + "{")]
-    return value
+    return scrape.total(cl.metrics(router), name)
 
 
 def test_a_burst_beyond_the_ttft_slo_is_refused_at_once_with_a_retry_hint(

@@ -13,12 +13,12 @@ from __future__ import annotations
 import signal
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
 import pytest
 
+from splitserve import scrape
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2
 from tests.e2e.cluster import ProcCluster
@@ -80,11 +80,9 @@ def test_decode_worker_killed_mid_stream_the_stream_migrates(cl: ProcCluster,
 
 
 def _migrations(cl: ProcCluster, router: str) -> float:
-    lines = [line for line in urllib.request.urlopen(
-        cl.by_name[router].endpoints["http"] + "/metrics", timeout=10).read().decode().splitlines()
-        if line.startswith("splitserve:request_migrations_total{")]
-    assert lines, "no migrations metric"
-    return float(lines[0].rsplit(" ", 1)[1])
+    counts = scrape.by_label(cl.metrics(router), "splitserve:request_migrations_total", "")
+    assert counts, "no migrations metric"
+    return counts[""]
 
 
 class _Load:

@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
 import grpc
@@ -32,6 +31,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.procs import live_groups
 from router.registry import worker_stub
+from splitserve import scrape
 from splitserve.credentials import bearer
 from splitserve.procstat import proc_stat
 from splitserve.roles import Role
@@ -168,10 +168,9 @@ def reference(dep, tiny_model_dir: Path):
     return prompts, want
 
 
-def _router_counter(dep, name: str, label: str = "") -> float:
-    text = urllib.request.urlopen(dep.http + "/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith(name) and label in line)
+def _remote_prefills(dep) -> float:
+    return scrape.by_label(scrape.fetch(dep.http + "/metrics"),
+                           "splitserve:routing_decisions_total", "prefill").get("remote", 0.0)
 
 
 def _models(dep) -> tuple[int, int]:
@@ -190,7 +189,7 @@ def _remember(dep) -> dict:
 
 def test_1p1d_greedy_equals_the_engine_alone(dep, reference) -> None:
     prompts, want = reference
-    remote = _router_counter(dep, "splitserve:routing_decisions_total", 'prefill="remote"')
+    remote = _remote_prefills(dep)
     with grpc.insecure_channel(dep.address) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         with cf.ThreadPoolExecutor(len(prompts)) as pool:
@@ -198,8 +197,7 @@ def test_1p1d_greedy_equals_the_engine_alone(dep, reference) -> None:
     for n, g, w in zip(LENGTHS, got, want):
         assert g == w, f"{n}-token prompt on Ray: {g} != {w}"
     # The disaggregated path really ran: the router sent each prompt to the prefill worker.
-    assert _router_counter(dep, "splitserve:routing_decisions_total",
-                           'prefill="remote"') - remote == len(prompts)
+    assert _remote_prefills(dep) - remote == len(prompts)
     st = _remember(dep)
     assert [p["name"] for p in st["pools"]["prefill"]] == [f"{dep.name}-prefill-0"]
     assert _models(dep) == (1, 1)
@@ -265,9 +263,7 @@ def _serving(address: str) -> bool:
 
 def _served(info: dict) -> float:
     """Requests the worker's engine finished (vLLM's own counter on its metrics port)."""
-    text = urllib.request.urlopen(info["endpoints"]["metrics"], timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line.startswith("vllm:request_success_total"))
+    return scrape.total(scrape.fetch(info["endpoints"]["metrics"]), "vllm:request_success_total")
 
 
 def test_scale_down_with_the_python_api_under_load(dep, reference) -> None:
