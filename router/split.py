@@ -225,13 +225,13 @@ class PrefillSplit:
         live = [s for s in self.streams.get(decode.worker_id, ()) if s.first_at is not None]
         if not live:
             return True
-        paces = [p for p in (s.pace() for s in live) if p is not None]
+        paced = [(s, s.pace()) for s in live]
+        paces = [p for _, p in paced if p is not None]
         step = sum(paces) / len(paces) if paces else 0.0
         gaps = {remote: g.value if g.value is not None else step
                 for remote, g in self._gap.items()}
         now = self.clock()
-        for s in live:
-            pace = s.pace()
+        for s, pace in paced:
             if s.tpot_after(stall_s, now, step if pace is None else pace,
                             gaps[s.remote]) > self.tpot_slo_s:
                 return False

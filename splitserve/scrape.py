@@ -1,8 +1,9 @@
 """Read a Prometheus /metrics page back into numbers: one sample family, summed by one label.
 
-The benchmarks (where a conditional router placed its prefills), the Ray autoscaler's tests and
-the e2e tests (requests by outcome, migrations, a gauge) all read the router's counters; they
-read them here, through prometheus-client's own parser, rather than by splitting lines.
+The benchmarks (where a conditional router placed its prefills), the Ray autoscaler (its
+scrapes) and the e2e and Ray tests (requests by outcome, migrations, a gauge) all read these
+pages; they fetch them here and read them through prometheus-client's own parser, rather than
+by splitting lines.
 """
 
 from __future__ import annotations

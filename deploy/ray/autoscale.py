@@ -23,7 +23,6 @@ import logging
 import math
 import threading
 import time
-import urllib.request
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -31,6 +30,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 
 from deploy.ray.config import AutoscaleConfig
+from splitserve import scrape
 from splitserve.roles import Role
 
 log = logging.getLogger(__name__)
@@ -185,10 +185,6 @@ def decide(cfg: AutoscaleConfig, current: dict[str, int], s: Signals,
     return out, why
 
 
-def _get(url: str) -> str:
-    return urllib.request.urlopen(url, timeout=5).read().decode()
-
-
 class Autoscaler:
     """The controller's thread that scrapes, decides and scales (see the module docstring)."""
 
@@ -214,13 +210,14 @@ class Autoscaler:
 
     def sample(self) -> Sample:
         c = self.controller
-        s = parse_router(_get(c.endpoints["http"] + "/metrics"), time.monotonic())
+        s = parse_router(scrape.fetch(c.endpoints["http"] + "/metrics", 5),
+                         time.monotonic())
         for role, slots in list(c.pools.items()):
             queue, usage = 0.0, 0.0
             for slot in list(slots):
                 try:  # asked each time: a restarted worker has a new metrics port
                     info = ray.get(slot.actor.info.remote(), timeout=5)
-                    q, u = parse_worker(_get(info["endpoints"]["metrics"]))
+                    q, u = parse_worker(scrape.fetch(info["endpoints"]["metrics"], 5))
                 except (OSError, KeyError, ValueError, ray.exceptions.RayError,
                         ray.exceptions.GetTimeoutError):
                     continue  # starting or restarting: its next scrape will count
