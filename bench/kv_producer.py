@@ -8,7 +8,8 @@ it. One JSON command per line in, one JSON reply per line out:
   {"op": "finished"}   → {"finished": [ids vLLM may free], "status": {...}, "total": {...}}
   {"op": "connections"}  → {"connections": side-channel connections served now, "accepted":
                             connections ever accepted,
-                            "threads": the producer's threads (accept loop included)}
+                            "threads": the producer's threads (accept loop included),
+                            "arena": its hold arena's name or None, "arena_free": its free bytes}
   {"op": "quit"}
 The configuration is JSON in argv, except the shared secret: it goes in $SPLITSERVE_KV_SECRET,
 as a worker's engine gets it, because a command line is readable by every user of the host.
@@ -29,7 +30,7 @@ from typing import Any
 import torch
 
 from splitserve.kv.producer import Producer
-from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
+from splitserve.kv.settings import KV_DEFAULTS, KV_SECRET_ENV, ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket, TransferId
@@ -43,7 +44,8 @@ DEFAULTS: dict[str, Any] = {
     "num_layers": 3, "num_blocks": 16, "shape": [2, 32, 128], "dtype": "bfloat16", "model": "m",
     "block_size": 32, "seed": 7, "engine_id": "fake-p", "port": 0, "copy_out": False,
     "lease_s": 30.0, "timeout_s": 5.0, "secret": None, "stall_before_send_s": 0.0,
-    "max_connections": 64, "cache_dtype": "auto", "transport": "auto"}
+    "max_connections": 64, "cache_dtype": "auto", "transport": "auto",
+    "hold_arena_mib": KV_DEFAULTS.hold_arena_mib}
 
 
 def make_caches(num_layers: int, num_blocks: int, shape: list[int], dtype: str, seed: int
@@ -63,7 +65,8 @@ def settings_of(cfg: dict[str, Any], secret: str | None) -> ConnectorSettings:
                              timeout_s=cfg["timeout_s"], secret=secret,
                              stall_before_send_s=cfg["stall_before_send_s"],
                              max_connections=cfg["max_connections"],
-                             transport=cfg["transport"])
+                             transport=cfg["transport"],
+                             hold_arena_mib=cfg["hold_arena_mib"])
 
 
 def main(cfg: dict[str, Any]) -> None:
@@ -85,7 +88,9 @@ def main(cfg: dict[str, Any]) -> None:
             reply = {"state": prod.release(TransferId(cmd["transfer_id"]))}
         elif op == "connections":
             reply = {"connections": prod.connections, "accepted": prod.accepted, "threads": sum(
-                t.name.startswith("kv-producer") for t in threading.enumerate())}
+                t.name.startswith("kv-producer") for t in threading.enumerate()),
+                "arena": prod.arena.name if prod.arena else None,
+                "arena_free": prod.arena.free_bytes() if prod.arena else 0}
         elif op == "finished":
             reply = {"finished": sorted(prod.take_finished()), "status": prod.status(),
                      "total": prod.stats.total.to_dict()}
@@ -130,8 +135,14 @@ class ProducerProc:
         return {k: v[block_ids] for k, v in caches_of(self.cfg).items()}
 
     def close(self) -> None:
+        """Quit (the producer unlinks its hold arena), or be killed when that does not work."""
         if self.proc.poll() is None:
-            self.proc.kill()
+            try:
+                self.proc.stdin.write(json.dumps({"op": "quit"}) + "\n")
+                self.proc.stdin.flush()
+                self.proc.wait(5)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
         self.proc.wait(10)
 
 

@@ -26,8 +26,14 @@ Columns:
   connector_shm_gbps the same pulls with transport "auto", which on one host takes the shared-
                      memory path (splitserve/kv/shm.py: gather into the consumer's segment ->
                      side-channel reply -> scatter out of it; no pair channel).
+  connector_arena_gbps  the same pulls from a producer that copies held blocks out at the hold
+                     (the CPU default) into its shared hold arena: the consumer scatters straight
+                     out of it (side-channel reply -> scatter -> "read"); the hold's copy is made
+                     before the clock starts, as it is made before the decode side asks.
   pair_vs_tcp        pair_channel_gbps / tcp_loopback_gbps (1.0: gloo costs nothing over TCP).
   shm_vs_pair        connector_shm_gbps / connector_gbps: what one host gains over the wire path.
+  arena_vs_shm       connector_arena_gbps / connector_shm_gbps: what reading the held copy where
+                     it lies gains over a copy into the consumer's segment.
 """
 
 from __future__ import annotations
@@ -72,7 +78,8 @@ BLOCK_BYTES = LAYERS * BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * BLOCK_SHAPE[2] * DTYPE.
 PRODUCER_ID = "bench-p"
 DEFAULT_REPEATS = 10
 COLUMNS = ("pair_channel_gbps", "tcp_loopback_gbps", "memcpy_gbps", "connector_gbps",
-           "connector_shm_gbps", "pair_vs_tcp", "shm_vs_pair")
+           "connector_shm_gbps", "connector_arena_gbps", "pair_vs_tcp", "shm_vs_pair",
+           "arena_vs_shm")
 Measure = Callable[[int], float]  # size in bytes -> GB/s; called once per size, in order
 
 
@@ -215,11 +222,15 @@ class _SignalingConsumer(Consumer):
 
 
 @contextmanager
-def connector(sizes: list[int], repeats: int, transport: str) -> Iterator[Measure]:
+def connector(sizes: list[int], repeats: int, transport: str,
+              arena: bool = False) -> Iterator[Measure]:
+    """Pulls over `transport`; `arena`: from a copy-out producer's shared hold arena."""
     max_blocks = max(1, round(max(sizes) / BLOCK_BYTES))
+    # The arena holds one copy of the largest size (each pull frees its span before the next).
     prod = ProducerProc(num_layers=LAYERS, num_blocks=max_blocks, shape=list(BLOCK_SHAPE),
                         dtype="bfloat16", model="bench", block_size=BLOCK_SHAPE[1],
-                        engine_id=PRODUCER_ID, lease_s=120.0, timeout_s=TIMEOUT_S)
+                        engine_id=PRODUCER_ID, lease_s=120.0, timeout_s=TIMEOUT_S,
+                        copy_out=arena, hold_arena_mib=-(-max(sizes) // MIB) + 1 if arena else 0)
     cons = _SignalingConsumer(transport)
     try:
         caches = _caches(max_blocks)
@@ -242,10 +253,12 @@ def connector(sizes: list[int], repeats: int, transport: str) -> Iterator[Measur
         def measure(n: int) -> float:
             ids = list(range(max(1, round(n / BLOCK_BYTES))))
             seconds = [pull(ids) for _ in range(repeats + 1)]  # [0]: warm-up (and handshake)
-            want_shm = transport == "auto"
-            if (cons.stats.total.shm_transfers > 0) != want_shm:
-                raise RuntimeError(f"transport {transport!r} took the wrong path: "
-                                   f"{cons.stats.total}")
+            total = cons.stats.total
+            # The first pull connects (the arena is made then, after its hold): all but it.
+            if ((total.shm_transfers > 0) != (transport == "auto")
+                    or arena and total.arena_transfers < total.transfers - 1):
+                raise RuntimeError(f"transport {transport!r} (arena {arena}) took the wrong "
+                                   f"path: {total}")
             return gbps(repeats * len(ids) * BLOCK_BYTES, sum(seconds[1:]))
 
         yield measure
@@ -263,12 +276,15 @@ def run(sizes_mb: list[int], repeats: int) -> list[dict[str, float]]:
         tcp = stack.enter_context(tcp_loopback(sizes, repeats))
         pull = stack.enter_context(connector(sizes, repeats, "pair"))
         pull_shm = stack.enter_context(connector(sizes, repeats, "auto"))
+        pull_arena = stack.enter_context(connector(sizes, repeats, "auto", arena=True))
         for mb, n in zip(sizes_mb, sizes, strict=True):
             row = {"size_mb": mb, "pair_channel_gbps": pair(n), "tcp_loopback_gbps": tcp(n),
                    "memcpy_gbps": memcpy(n, repeats), "connector_gbps": pull(n),
-                   "connector_shm_gbps": pull_shm(n)}
+                   "connector_shm_gbps": pull_shm(n), "connector_arena_gbps": pull_arena(n)}
             rows.append({**row, "pair_vs_tcp": row["pair_channel_gbps"] / row["tcp_loopback_gbps"],
-                         "shm_vs_pair": row["connector_shm_gbps"] / row["connector_gbps"]})
+                         "shm_vs_pair": row["connector_shm_gbps"] / row["connector_gbps"],
+                         "arena_vs_shm": row["connector_arena_gbps"]
+                         / row["connector_shm_gbps"]})
     return rows
 
 

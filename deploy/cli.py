@@ -68,6 +68,10 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
                    help="auto: KV between workers on one host through shared memory, across "
                         "hosts over the pair channel (torch.distributed); pair: always the "
                         "pair channel")
+    g.add_argument("--kv-hold-arena-mib", type=int, default=KV_DEFAULTS.hold_arena_mib,
+                   help="prefill side, CPU: shared memory for held KV copies, made when the "
+                        "first decode worker on this host connects, which then reads them "
+                        "where they lie (one copy fewer per hand-off); 0: private memory")
     sec.add_kv_secret(g)
 
 
@@ -82,7 +86,8 @@ def _engine_argv(a: argparse.Namespace) -> list[str]:
            "--kv-failure-policy", a.kv_failure_policy, "--kv-host",
            a.kv_host, "--kv-lease-s", str(a.kv_lease_s), "--kv-timeout-s", str(a.kv_timeout_s),
            "--kv-transport", a.kv_transport, "--kv-load", a.kv_load,
-           "--kv-max-connections", str(a.kv_max_connections)]
+           "--kv-max-connections", str(a.kv_max_connections),
+           "--kv-hold-arena-mib", str(a.kv_hold_arena_mib)]
     return out  # the KV secret travels in the environment (deploy/local.py), never in argv
 
 
@@ -96,7 +101,8 @@ def _worker(role: Role):
 
         kv = ConnectorSettings(host=a.kv_host, lease_s=a.kv_lease_s, timeout_s=a.kv_timeout_s,
                                secret=sec.kv_secret_of(a), max_connections=a.kv_max_connections,
-                               transport=a.kv_transport, load=a.kv_load)
+                               transport=a.kv_transport, load=a.kv_load,
+                               hold_arena_mib=a.kv_hold_arena_mib)
         token = sec.cluster_token_of(a)
         sec.require_on_network(a.host, f"a {role} worker", token, "a cluster credential "
                                "($SPLITSERVE_CLUSTER_TOKEN or --cluster-token-file)")

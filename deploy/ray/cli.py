@@ -30,7 +30,8 @@ _ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
                  ("--kv-lease-s", float, KV_DEFAULTS.lease_s),
                  ("--kv-timeout-s", float, KV_DEFAULTS.timeout_s),
                  ("--kv-transport", str, KV_DEFAULTS.transport),
-                 ("--kv-load", str, KV_DEFAULTS.load))
+                 ("--kv-load", str, KV_DEFAULTS.load),
+                 ("--kv-hold-arena-mib", int, KV_DEFAULTS.hold_arena_mib))
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -94,7 +94,7 @@ class SplitServeStats(KVConnectorStats):
         gbps = s.bytes / s.seconds / 1e9 if s.seconds else 0.0
         return {"transfers": s.transfers, "bytes": s.bytes, "seconds": round(s.seconds, 6),
                 "gbps": round(gbps, 3), "failures": s.failures, "lease_expired": s.lease_expired,
-                "shm_transfers": s.shm_transfers}
+                "shm_transfers": s.shm_transfers, "arena_transfers": s.arena_transfers}
 
     def is_empty(self) -> bool:
         return not self.data or TransferSample.from_dict(self.data).is_empty()

@@ -58,6 +58,9 @@ from splitserve.kv.wire import (
 
 log = logging.getLogger(__name__)
 
+# A pull's path: the pair channel, our shared segment, or the producer's hold arena (shm.py).
+PAIR, SHM, ARENA = "pair", "shm", "arena"
+
 
 class IncompatiblePeer(TransferError):
     """The handshake failed: the producer refused us (different model/dtype/layout, bad secret)
@@ -162,21 +165,22 @@ class Consumer:
         t0 = time.perf_counter()
         tk = job.ticket
         try:
-            nbytes, shm = self._pull(job)
+            nbytes, path = self._pull(job)
         except Exception as e:
             self.stats.record_failure()
             log.warning("KV load for %s (transfer %s from %s:%d) failed: %s", job.req_id,
                         tk.transfer_id, tk.host, tk.port, e)
             return str(e)
-        self.stats.record_transfer(nbytes, time.perf_counter() - t0, shm)
+        self.stats.record_transfer(nbytes, time.perf_counter() - t0, path != PAIR,
+                                   arena=path == ARENA)
         return None
 
     def _finish(self, result: LoadResult) -> None:
         with self._results_lock:
             self._results.append(result)
 
-    def _pull(self, job: PullJob) -> tuple[int, bool]:
-        """The bytes moved, and whether through shared memory."""
+    def _pull(self, job: PullJob) -> tuple[int, str]:
+        """The bytes moved, and their path (PAIR, SHM or ARENA)."""
         assert len(job.local_block_ids) == len(job.remote_block_ids)
         peer = self._peer(job.ticket)
         with peer.lock:
@@ -195,7 +199,7 @@ class Consumer:
                     peer.down_until = time.monotonic() + self.settings.timeout_s
                 raise
 
-    def _pull_locked(self, peer: _Peer, job: PullJob) -> tuple[int, bool]:
+    def _pull_locked(self, peer: _Peer, job: PullJob) -> tuple[int, str]:
         assert self._spec is not None
         tk = job.ticket
         conn = self._connected(peer, tk)
@@ -222,6 +226,7 @@ class Consumer:
                    "block_ids": job.remote_block_ids, "tag": tag}
             if conn.shm is not None:
                 msg["shm"] = conn.shm.buffer(want).name  # the producer writes the bytes here
+                msg["arena"] = True  # ... or tells us where its held copy lies
             send_msg(conn.sock, msg)
             reply = recv_msg(conn.sock)
             if not reply.get("ok"):
@@ -231,22 +236,58 @@ class Consumer:
             if nbytes != want:
                 peer.drop()  # out of step with the producer: start afresh
                 raise TransferError(f"producer announced {nbytes} bytes for {n} blocks")
-            if conn.shm is not None:
-                raw = conn.shm.buffer(nbytes).tensor(nbytes)  # already there
+            if conn.shm is not None and reply.get("arena"):
+                src = self._held(peer, conn.shm, reply["arena"], n)
+                path = ARENA
             else:
-                assert conn.chan is not None
-                raw = conn.chan.staging(nbytes)
-                conn.chan.recv(raw, tag)
+                if conn.shm is not None:
+                    raw = conn.shm.buffer(nbytes).tensor(nbytes)  # already there
+                    path = SHM
+                else:
+                    assert conn.chan is not None
+                    raw = conn.chan.staging(nbytes)
+                    conn.chan.recv(raw, tag)
+                    path = PAIR
+                src = blocks.staging_view(raw, self._kv, n)
+                del raw
+            if job.corrupt:
+                # Every byte flipped, into a copy: the arena is read-only to us.
+                src = src.view(torch.uint8).bitwise_xor(0x5A).view(src.dtype)
+            # Still under the peer lock: the next pull from this peer reuses the staging buffer.
+            blocks.scatter(src, self._kv, job.local_block_ids)
+            del src  # no view of a shared segment outlives the lock (it may be replaced)
+            if path == ARENA:
+                # The producer keeps the span until we say so (and then frees it).
+                send_msg(conn.sock, {"op": "read", "transfer_id": tk.transfer_id})
         except (WireError, TransferError) as e:
             if not isinstance(e, TransferError) or conn.broken:
                 peer.drop()
             raise
-        if job.corrupt:
-            raw.bitwise_xor_(0x5A)
-        # Still under the peer lock: the next pull from this peer reuses the staging buffer.
-        blocks.scatter(blocks.staging_view(raw, self._kv, n), self._kv, job.local_block_ids)
-        del raw  # no view of a shared segment outlives the lock (it may be replaced)
-        return nbytes, conn.shm is not None
+        except Exception:
+            peer.drop()  # out of step with the producer (it may wait for our "read"): afresh
+            raise
+        return nbytes, path
+
+    def _held(self, peer: _Peer, staging: ConsumerStaging, where: dict, n: int) -> torch.Tensor:
+        """The producer's held copy of the pull's `n` blocks, as a staging view into its arena
+        (the positions of ours among the held ones when they are a subset: a copy then)."""
+        try:
+            held = int(where["blocks"])
+            positions = where.get("positions")
+            raw = staging.held(where["name"], int(where["offset"]),
+                               blocks.staging_bytes(self._kv, held))
+        except (KeyError, TypeError, ValueError, OSError) as e:
+            peer.drop()  # out of step with the producer: start afresh
+            raise TransferError(f"producer's hold arena: {e}") from e
+        view = blocks.staging_view(raw, self._kv, held)
+        if positions is None and held == n:
+            return view
+        if (not isinstance(positions, list) or len(positions) != n
+                or not all(isinstance(i, int) and 0 <= i < held for i in positions)):
+            peer.drop()
+            raise TransferError(f"producer's hold arena: positions {positions} do not pick "
+                                f"{n} of its {held} held blocks")
+        return view.index_select(1, torch.tensor(positions, dtype=torch.long))
 
     def _release(self, tk: KVTicket) -> None:
         try:

@@ -7,7 +7,9 @@ Lifecycle of one transfer here (states and their bookkeeping: transfers.py):
                         blocks back with this very step; the copy is what the lease holds.
   pull(T, ids)          a consumer asks over the side channel: T is claimed, the blocks are
                         gathered into the pair's staging buffer (vLLM may reuse them from then on)
-                        and the bytes go over the pair channel; T ends SENT (or FAILED).
+                        and the bytes go over the pair channel; T ends SENT (or FAILED). A
+                        consumer on this host reads a copy held in the shared hold arena where
+                        it lies instead, and T ends once it says it has read it (shm.py).
   release(T)            the router (Release RPC, through the engine: control.py) or a consumer
                         that needs nothing lets go early; T ends RELEASED.
   lease expiry          nobody pulled in time; T ends EXPIRED, and a late pull is refused
@@ -37,11 +39,11 @@ from splitserve.kv.board import BoardWriter
 from splitserve.kv.link import Link
 from splitserve.kv.pair_channel import PRODUCER_RANK, PairChannel, TransferError, host_store
 from splitserve.kv.settings import ConnectorSettings
-from splitserve.kv.shm import ProducerAttachment
+from splitserve.kv.shm import HoldArena, ProducerAttachment
 from splitserve.kv.spec import KVSpec
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import TransferId
-from splitserve.kv.transfers import Refused, TransferBook
+from splitserve.kv.transfers import Refused, Transfer, TransferBook
 from splitserve.kv.wire import (
     CONSUMER,
     PRODUCER,
@@ -76,6 +78,11 @@ class Producer:
         self._store = None
         self._slots = threading.BoundedSemaphore(settings.max_connections)
         self._count_lock = threading.Lock()
+        # Copy-out holds go here once a consumer on this host has connected (shm.HoldArena).
+        self.arena: HoldArena | None = None
+        self._arena_lock = threading.Lock()
+        self._arena_tried = False
+        self.book.on_dropped = self._drop_copy
         self.connections = 0  # being served now (for tests and harnesses)
         self.accepted = 0  # ever accepted, turned away or not
 
@@ -98,19 +105,44 @@ class Producer:
         self._stop.set()
         if self._sock is not None:
             self._sock.close()
+        if self.arena is not None:
+            self.arena.close()  # unlinks the name; consumers' maps stay valid until they unmap
 
     # -- called from the connector's worker half (engine thread) -----------------------------
     def hold(self, tid: TransferId, req_id: str, block_ids: list[int]) -> None:
-        snapshot = None
+        snapshot = span = None
         if self.copy_out:
             # Copy the blocks out now and give them back to vLLM with this very step: an engine
             # holding finished requests' blocks keeps stepping (busy) until they are freed, which
-            # on a CPU host steals the cores its own server and its neighbours need.
+            # on a CPU host steals the cores its own server and its neighbours need. Into the
+            # shared arena when there is one with room: a consumer on this host reads it there.
             n = len(block_ids)
-            snapshot = torch.empty(blocks.staging_bytes(self._kv, n), dtype=torch.uint8,
-                                   device=next(iter(self._kv.values())).device)
+            nbytes = blocks.staging_bytes(self._kv, n)
+            arena = self.arena
+            span = arena.alloc(nbytes) if arena is not None else None
+            if span is not None:
+                snapshot = arena.tensor(span, nbytes)
+            else:
+                snapshot = torch.empty(nbytes, dtype=torch.uint8,
+                                       device=next(iter(self._kv.values())).device)
             blocks.gather(self._kv, block_ids, blocks.staging_view(snapshot, self._kv, n))
-        self.book.hold(tid, req_id, block_ids, snapshot)
+        self.book.hold(tid, req_id, block_ids, snapshot, span)
+
+    def _drop_copy(self, t: Transfer) -> None:
+        if t.span is not None and self.arena is not None:
+            self.arena.free(t.span)
+
+    def _open_arena(self) -> None:
+        """Once, when the first consumer on this host connects: copy-out holds from then on
+        land where it can read them."""
+        with self._arena_lock:
+            if self._arena_tried or not self.copy_out or not self.settings.hold_arena_mib:
+                return
+            self._arena_tried = True
+            self.arena = HoldArena.make(self.settings.hold_arena_mib << 20)
+            if self.arena is not None:
+                log.info("KV hold arena %s: %d MiB", self.arena.name,
+                         self.arena.segment.size >> 20)
 
     def take_finished(self) -> set[str]:
         return self.book.take_finished()
@@ -214,6 +246,8 @@ class Producer:
         device = next(iter(self._kv.values())).device
         shm = (ProducerAttachment.accept(hello.get("shm"))
                if "shm" in hello and s.shares_memory(device.type) else None)
+        if shm is not None:
+            self._open_arena()  # before the reply: the consumer's first pull may follow at once
         port = self._store.port
         bound = f"{port}/shm" if shm else str(port)  # the proof covers the path we chose
         send_msg(conn, {"ok": True, "store_port": port, "shm": shm is not None,
@@ -237,8 +271,11 @@ class Producer:
         t0 = time.perf_counter()
         ok = False
         nbytes = blocks.staging_bytes(self._kv, len(want))
+        from_arena = link.shm is not None and t.span is not None and bool(msg.get("arena"))
         try:
-            if link.shm is not None:
+            if from_arena:
+                self._serve_from_arena(conn, t, want, nbytes)
+            elif link.shm is not None:
                 try:
                     into = link.shm.buffer(msg.get("shm"), nbytes)
                 except (OSError, ValueError) as e:
@@ -264,7 +301,25 @@ class Producer:
             raise
         finally:
             self.book.finish(t, ok)
-        self.stats.record_transfer(nbytes, time.perf_counter() - t0, link.shm is not None)
+        self.stats.record_transfer(nbytes, time.perf_counter() - t0, link.shm is not None,
+                                   arena=from_arena)
+
+    def _serve_from_arena(self, conn: socket.socket, t: Transfer, want: list[int],
+                          nbytes: int) -> None:
+        """The consumer reads the held copy where it lies: tell it where, then keep the span
+        until it says it has read it (the book frees the span when the transfer ends)."""
+        assert self.arena is not None
+        if self.settings.stall_before_send_s:
+            time.sleep(self.settings.stall_before_send_s)
+        where = {b: i for i, b in enumerate(t.block_ids)}
+        positions = [where[b] for b in want]
+        send_msg(conn, {"ok": True, "nbytes": nbytes, "arena": {
+            "name": self.arena.name, "offset": t.span.offset, "blocks": len(t.block_ids),
+            "positions": None if positions == list(range(len(t.block_ids))) else positions}})
+        done = recv_msg(conn)
+        if done.get("op") != "read" or done.get("transfer_id") != t.transfer_id:
+            raise TransferError(f"consumer did not confirm reading transfer {t.transfer_id}: "
+                                f"{done}")
 
     def _gather(self, raw: torch.Tensor | None, held: list[int], want: list[int],
                 snapshot: torch.Tensor | None) -> torch.Tensor:

@@ -39,6 +39,10 @@ class ConnectorSettings:
     # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
     # (device memory is the scarce thing there).
     hold: str = "auto"
+    # producer: MiB of shared memory for copy-out holds, made when the first consumer on this
+    # host connects; such a consumer scatters straight out of it, saving the producer's copy
+    # on the hand-off's path (shm.HoldArena). 0 = none: held copies stay in private memory.
+    hold_arena_mib: int = 256
     # "auto": through shared memory when both ends see the same /dev/shm (one host; CPU caches),
     # else the pair channel; "pair": always the pair channel. Either side can refuse shm.
     transport: str = "auto"
@@ -61,6 +65,8 @@ class ConnectorSettings:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
+        if self.hold_arena_mib < 0:
+            raise ValueError(f"hold_arena_mib must be >= 0, got {self.hold_arena_mib}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
 

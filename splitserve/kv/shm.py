@@ -11,6 +11,12 @@ The side channel's pull request and reply are the synchronisation: the producer 
 segment only between a pull request and its reply, the consumer reads it only after the reply and
 before its next request on that connection (it holds the connection's lock throughout).
 
+A producer that copies held blocks out (the CPU default) makes one more segment, its hold arena
+(`HoldArena`), when the first consumer on this host connects, and copies each hold into it at
+hold time. A pull of such a hold is answered with where the copy lies; the consumer maps the
+arena read-only (once per connection) and scatters straight out of it, then says "read", and only
+then does the producer free the span: one memory copy on the hand-off's path instead of two.
+
 Leaks: the segment is created through `multiprocessing.shared_memory`, whose resource tracker
 unlinks it if the consumer's process dies without doing so (SIGKILL included). The producer
 attaches by opening /dev/shm directly, so it never registers (and so never unlinks, nor warns
@@ -24,6 +30,7 @@ only: elsewhere `available()` is false and the pair channel serves.
 
 from __future__ import annotations
 
+import bisect
 import fcntl
 import functools
 import logging
@@ -32,8 +39,11 @@ import os
 import re
 import secrets
 import sys
+import threading
 import time
 import uuid
+import warnings
+from dataclasses import dataclass
 from multiprocessing import shared_memory
 
 import torch
@@ -103,7 +113,11 @@ class Segment:
         self._buf = buf  # an mmap (attached) or the SharedMemory's memoryview (created)
         self._owner = owner
         self.size = len(buf)
-        self._flat = torch.frombuffer(buf, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            # A read-only map (a producer's hold arena, seen by a consumer) makes a tensor
+            # torch calls non-writable; we only ever read from it.
+            warnings.filterwarnings("ignore", message="The given buffer is not writable")
+            self._flat = torch.frombuffer(buf, dtype=torch.uint8)
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
@@ -127,15 +141,16 @@ class Segment:
         return cls(shm.name, shm.buf, shm)
 
     @classmethod
-    def attach(cls, name: str) -> Segment:
-        """Open the consumer's segment `name`; OSError if it is not here (another host or IPC
+    def attach(cls, name: str, readonly: bool = False) -> Segment:
+        """Open the peer's segment `name`; OSError if it is not here (another host or IPC
         namespace) or not ours to open."""
         if not isinstance(name, str) or not _NAME.match(name):
             raise OSError(f"not a splitserve KV segment name: {name!r}")
-        fd = os.open(os.path.join(_DIR, name), os.O_RDWR)
+        fd = os.open(os.path.join(_DIR, name), os.O_RDONLY if readonly else os.O_RDWR)
         try:
             size = os.fstat(fd).st_size
-            mm = mmap.mmap(fd, size)
+            mm = mmap.mmap(fd, size, prot=mmap.PROT_READ if readonly
+                           else mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         return cls(name, mm, None)
@@ -173,11 +188,13 @@ class Segment:
 
 
 class ConsumerStaging:
-    """The consumer's segment for one producer connection, replaced by a bigger one as needed."""
+    """The consumer's segment for one producer connection, replaced by a bigger one as needed;
+    and its read-only view of the producer's hold arena, once a pull has named it."""
 
     def __init__(self) -> None:
         self.segment = Segment.create(MIN_BYTES)
         self.nonce = self.segment.write_nonce()
+        self.arena: Segment | None = None
 
     def offer(self) -> dict[str, str]:
         """What the hello carries: the producer proves it sees this segment."""
@@ -192,8 +209,24 @@ class ConsumerStaging:
             self.segment = seg = new
         return seg
 
+    def held(self, name: object, offset: int, nbytes: int) -> torch.Tensor:
+        """`nbytes` at `offset` of the producer's hold arena `name` (read-only; mapped on first
+        use and kept: the producer has one arena for its life). OSError/ValueError when it is
+        not there or the span is not inside it."""
+        if self.arena is None or self.arena.name != name:
+            seg = Segment.attach(name, readonly=True)  # type: ignore[arg-type]
+            if self.arena is not None:
+                self.arena.close()
+            self.arena = seg
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.arena.size:
+            raise ValueError(f"span {offset}+{nbytes} is outside arena {self.arena.name} "
+                             f"({self.arena.size} bytes)")
+        return self.arena.tensor(offset + nbytes)[offset:]
+
     def close(self) -> None:
         self.segment.close()
+        if self.arena is not None:
+            self.arena.close()
 
 
 class ProducerAttachment:
@@ -226,6 +259,83 @@ class ProducerAttachment:
             self.segment.close()
             self.segment = seg
         return self.segment.tensor(nbytes)
+
+    def close(self) -> None:
+        self.segment.close()
+
+
+# -- the producer's hold arena ----------------------------------------------------------------
+ARENA_ALIGN = 4096
+
+
+@dataclass(frozen=True, slots=True)
+class Span:
+    """A held copy's place in the arena."""
+
+    offset: int
+    nbytes: int
+
+
+class HoldArena:
+    """One shared segment the producer copies held KV into (copy-out holds), so that a consumer
+    on this host scatters straight out of it: one memory copy on the hand-off's path instead of
+    two (the producer's copy into the consumer's segment goes). Made when the first same-host
+    consumer connects; a hold that finds no room in it takes private memory and travels the
+    old way. Spans are first-fit from a free list (holds come and go roughly in order); freed
+    ones coalesce."""
+
+    def __init__(self, nbytes: int) -> None:
+        self.segment = Segment.create(nbytes)
+        self.name = self.segment.name
+        self._lock = threading.Lock()  # the engine thread allocates, side-channel threads free
+        self._free: list[tuple[int, int]] = [(0, self.segment.size)]  # (offset, size), sorted
+
+    @classmethod
+    def make(cls, want_bytes: int) -> HoldArena | None:
+        """An arena of `want_bytes`, clipped to half of /dev/shm's free room (the consumers'
+        segments need room too); None when that is under MIN_BYTES or the room is refused."""
+        try:
+            st = os.statvfs(_DIR)
+            nbytes = min(want_bytes, st.f_bavail * st.f_frsize // 2) // ARENA_ALIGN * ARENA_ALIGN
+            if nbytes < MIN_BYTES:
+                log.info("no KV hold arena: /dev/shm has %d bytes free", st.f_bavail * st.f_frsize)
+                return None
+            return cls(nbytes)
+        except OSError as e:
+            log.warning("no KV hold arena (%s): held KV stays in private memory", e)
+            return None
+
+    def alloc(self, nbytes: int) -> Span | None:
+        size = -(-max(nbytes, 1) // ARENA_ALIGN) * ARENA_ALIGN
+        with self._lock:
+            for i, (off, room) in enumerate(self._free):
+                if room >= size:
+                    if room == size:
+                        del self._free[i]
+                    else:
+                        self._free[i] = (off + size, room - size)
+                    return Span(off, size)
+        return None
+
+    def free(self, span: Span) -> None:
+        with self._lock:
+            i = bisect.bisect(self._free, (span.offset, span.nbytes))
+            self._free.insert(i, (span.offset, span.nbytes))
+            # Coalesce with the right neighbour, then the left.
+            if i + 1 < len(self._free) and span.offset + span.nbytes == self._free[i + 1][0]:
+                self._free[i] = (span.offset, span.nbytes + self._free.pop(i + 1)[1])
+            if i > 0 and self._free[i - 1][0] + self._free[i - 1][1] == span.offset:
+                off, room = self._free.pop(i - 1)
+                self._free[i - 1] = (off, room + self._free[i - 1][1])
+
+    def tensor(self, span: Span, nbytes: int) -> torch.Tensor:
+        """The first `nbytes` of `span`, a uint8 view into the arena."""
+        assert nbytes <= span.nbytes
+        return self.segment.tensor(span.offset + nbytes)[span.offset:]
+
+    def free_bytes(self) -> int:
+        with self._lock:
+            return sum(room for _, room in self._free)
 
     def close(self) -> None:
         self.segment.close()

@@ -18,6 +18,7 @@ class TransferSample:
     failures: int = 0
     lease_expired: int = 0
     shm_transfers: int = 0  # of `transfers`, those through shared memory (same host, shm.py)
+    arena_transfers: int = 0  # of those, read straight out of the producer's hold arena
     # Per-transfer (bytes, seconds) pairs, so a histogram of GB/s can be built downstream.
     samples: list[tuple[int, float]] = field(default_factory=list)
 
@@ -28,12 +29,13 @@ class TransferSample:
         self.failures += other.failures
         self.lease_expired += other.lease_expired
         self.shm_transfers += other.shm_transfers
+        self.arena_transfers += other.arena_transfers
         self.samples.extend(other.samples)
 
     def totals(self) -> TransferSample:
         """The counters alone: running totals must not keep every transfer's (bytes, s)."""
         return TransferSample(self.transfers, self.bytes, self.seconds, self.failures,
-                              self.lease_expired, self.shm_transfers)
+                              self.lease_expired, self.shm_transfers, self.arena_transfers)
 
     def is_empty(self) -> bool:
         return not (self.transfers or self.failures or self.lease_expired)
@@ -54,9 +56,10 @@ class TransferStats:
         self._pending = TransferSample()
         self.total = TransferSample()  # since start, for logs and tests
 
-    def record_transfer(self, nbytes: int, seconds: float, shm: bool = False) -> None:
+    def record_transfer(self, nbytes: int, seconds: float, shm: bool = False,
+                        arena: bool = False) -> None:
         self._add(TransferSample(1, nbytes, seconds, shm_transfers=int(shm),
-                                 samples=[(nbytes, seconds)]))
+                                 arena_transfers=int(arena), samples=[(nbytes, seconds)]))
 
     def record_failure(self) -> None:
         self._add(TransferSample(failures=1))

@@ -61,6 +61,7 @@ class Transfer:
     state: TransferState = TransferState.HELD
     # Copy-out mode: the blocks' bytes, taken when the hold began; pulls are served from here.
     snapshot: Any = None
+    span: Any = None  # where the snapshot lies in the producer's shared hold arena, if there
     blocks_returned: bool = False  # vLLM has been told (or will be) it may reuse the blocks
 
 
@@ -78,21 +79,24 @@ class TransferBook:
         self._ended_counts = {s: 0 for s in TransferState if not s.live}
         self._finished: set[str] = set()  # vLLM request ids whose blocks may be freed
         self.on_expired: Callable[[Transfer], None] = lambda t: None  # stats hook
+        # Called (under the lock) as a transfer's snapshot is dropped: its arena span is free.
+        self.on_dropped: Callable[[Transfer], None] = lambda t: None
         # Called (under the lock) with `status()` after every change: the producer's board.
         self.on_change: Callable[[dict[str, int]], None] = lambda counts: None
 
     # -- the engine thread ---------------------------------------------------------------------
-    def hold(self, tid: TransferId, req_id: str, block_ids: list[int], snapshot: Any = None
-             ) -> None:
+    def hold(self, tid: TransferId, req_id: str, block_ids: list[int], snapshot: Any = None,
+             span: Any = None) -> None:
         """Start the lease on `tid`. With a snapshot, vLLM gets its blocks back at once."""
         t = Transfer(tid, req_id, list(block_ids), time.monotonic() + self.lease_s,
-                     snapshot=snapshot)
+                     snapshot=snapshot, span=span)
         with self._cond:
             if tid in self._live or tid in self._ended:
                 # Released before its hold began (or an id used twice): nobody will pull it.
                 log.info("transfer %s: %s; freed at once", tid, "id already in use"
                          if tid in self._live else "released before its hold began")
                 self._finished.add(req_id)
+                self.on_dropped(t)
                 self._ended_counts[TransferState.RELEASED] += tid not in self._live
                 self._changed()
                 return
@@ -197,7 +201,9 @@ class TransferBook:
         assert not final.live
         self._move(t, final)
         self._return_blocks(t)
-        t.snapshot = None
+        if t.snapshot is not None:
+            self.on_dropped(t)
+        t.snapshot = t.span = None
         del self._live[t.transfer_id]
         self._ended_counts[final] += 1
         self._remember(t.transfer_id, final)

@@ -70,6 +70,9 @@ class _Collector:
         yield counter("splitserve:kv_transfers", "KV transfers completed", t.transfers)
         yield counter("splitserve:kv_shm_transfers", "KV transfers through shared memory "
                       "(same host; the rest took the pair channel)", t.shm_transfers)
+        yield counter("splitserve:kv_arena_transfers", "KV transfers read straight out of the "
+                      "producer's shared hold arena (of the shared-memory ones)",
+                      t.arena_transfers)
         yield counter("splitserve:kv_transfer_bytes", "KV bytes transferred", t.bytes)
         yield counter("splitserve:kv_transfer_failures", "KV transfers failed", t.failures)
         yield counter("splitserve:kv_lease_expired", "KV leases expired unpulled",

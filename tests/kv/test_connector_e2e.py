@@ -100,16 +100,22 @@ def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluste
                           f"gold-{consumer}{i}")
             for i, ids in enumerate(prompts)))
 
+    # One request first: the consumer's first pull connects it to P, which makes its shared
+    # hold arena then (the holds after it land there).
+    (warm,) = make_prompts(Path(cluster.model), [40], seed=101)  # none of the golden prefixes
+    cluster.run(disagg_greedy(cluster.P, cluster.engines[consumer], warm, 2, f"warm-{consumer}"))
     before = cluster.monitors[consumer].snapshot().transfers
     got = cluster.run(all_disagg())
     for n, w, (g, _) in zip(GOLDEN_LENGTHS, want, got):
         assert g == w, f"{n}-token prompt: disaggregated {g} != colocated {w}"
     # Every prompt pulled its KV (the consumer computes only the first generated token's KV
-    # itself), and on one host through shared memory (the pair channel's golden run with real
-    # engines: tests/kv/test_fp8.py).
+    # itself), and on one host through shared memory, read straight out of the producer's
+    # hold arena (the pair channel's golden run with real engines: tests/kv/test_fp8.py; the
+    # consumer's own segment, bit-exact: tests/kv/test_transport.py).
     pulled = cluster.monitors[consumer].snapshot().transfers
     assert pulled.transfers - before.transfers == len(GOLDEN_LENGTHS)
     assert pulled.shm_transfers - before.shm_transfers == len(GOLDEN_LENGTHS)
+    assert pulled.arena_transfers - before.arena_transfers == len(GOLDEN_LENGTHS)
     assert pulled.failures == 0 and pulled.bytes > 0
 
 

@@ -31,6 +31,7 @@ BOTH = pytest.mark.parametrize("transport", ["pair", "auto"], ids=["pair", "shm"
 @pytest.fixture
 def producers():
     started: list[ProducerProc] = []
+    before = set(shm.leftover_segments())  # a session cluster's workers may hold their own
 
     def start(**overrides) -> ProducerProc:
         p = ProducerProc(**overrides)
@@ -40,12 +41,14 @@ def producers():
     yield start
     for p in started:
         p.close()
+    # Every shared segment is unlinked with its owner: the consumers' (closed first: see
+    # `consumers`) and the producers' hold arenas.
+    assert set(shm.leftover_segments()) <= before
 
 
 @pytest.fixture
-def consumers():
+def consumers(producers):  # producers: set up before, torn down after the consumers
     started: list[Consumer] = []
-    before = set(shm.leftover_segments())  # a session cluster's workers may hold their own
 
     def start(transport: str = "pair", **overrides) -> Consumer:
         cfg = {**BASE, **overrides}
@@ -64,8 +67,6 @@ def consumers():
     yield start
     for c in started:
         c.shutdown()
-    # Every shared segment is unlinked with its consumer.
-    assert set(shm.leftover_segments()) <= before
 
 
 def job(p: ProducerProc, tid: str, remote: list[int], local: list[int]) -> PullJob:
@@ -193,6 +194,110 @@ def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, cons
     assert peer.conn.shm is None and peer.conn.chan is not None
     assert c.stats.total.transfers == 3 and c.stats.total.shm_transfers == 1
     assert set(shm.leftover_segments()) <= baseline
+
+
+def _arena_ready(p: ProducerProc, c: Consumer) -> int:
+    """One pull so the consumer connects (the producer makes its arena then; that pull's hold
+    came before it, in private memory); the arena's free bytes after."""
+    p.cmd(op="hold", transfer_id="warm", block_ids=[0])
+    assert pull(c, p, "warm", [0], [0]).ok
+    info = p.cmd(op="connections")
+    assert info["arena"] in shm.leftover_segments()
+    assert c.stats.total.arena_transfers == 0
+    return info["arena_free"]
+
+
+@pytest.mark.parametrize(("remote", "local"), [([1, 3, 7, 12, 9], [10, 2, 5, 15, 4]),
+                                               ([3, 7, 1, 12], [10, 2, 5, 15])],
+                         ids=["all-held", "a-subset"])
+def test_a_same_host_consumer_reads_a_held_copy_out_of_the_arena(producers, consumers,
+                                                                remote, local) -> None:
+    """Copy-out holds land in the producer's shared arena; the consumer scatters straight out
+    of it (its own segment unused), bit-exact, also for a subset of the held blocks (a prefix
+    hit on the decode side), and the span is free again once the consumer has read it."""
+    p, c = producers(copy_out=True), consumers("auto")
+    free = _arena_ready(p, c)
+    assert p.cmd(op="hold", transfer_id="t1", block_ids=[1, 3, 7, 12, 9])["ok"]
+    assert p.cmd(op="connections")["arena_free"] < free  # the copy is in the arena
+    (peer,) = c._peers.values()
+    peer.conn.shm.segment.tensor(peer.conn.shm.segment.size).fill_(0)
+    assert pull(c, p, "t1", remote, local).ok
+    for name, want in p.expected(remote).items():
+        assert torch.equal(c.caches[name][local].view(torch.uint8), want.view(torch.uint8))
+    # Not through our segment: the producer wrote nothing into it.
+    assert not peer.conn.shm.segment.tensor(peer.conn.shm.segment.size)[shm.NONCE_BYTES:].any()
+    state = p.cmd(op="finished")
+    assert state["status"]["held"] == 0 and state["status"]["sent"] == 2
+    assert state["total"]["arena_transfers"] == c.stats.total.arena_transfers == 1
+    assert c.stats.total.shm_transfers == 2
+    assert p.cmd(op="connections")["arena_free"] == free
+
+
+@pytest.mark.parametrize("end", ["lease", "release"])
+def test_an_arena_copy_nobody_pulls_is_freed(producers, consumers, end: str) -> None:
+    p, c = producers(copy_out=True, lease_s=0.5), consumers("auto")
+    free = _arena_ready(p, c)
+    p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2, 3])
+    assert p.cmd(op="connections")["arena_free"] < free
+    if end == "release":
+        assert p.cmd(op="release", transfer_id="t1")["state"] == "held"
+    else:
+        time.sleep(1.2)  # the accept loop reaps expired leases every 0.5 s
+    assert p.cmd(op="connections")["arena_free"] == free
+    assert not pull(c, p, "t1", [1, 2, 3], [4, 5, 6]).ok
+
+
+def test_a_consumer_that_never_confirms_its_read_fails_the_transfer(producers) -> None:
+    """The producer keeps the span until the consumer says it has read it; a consumer that
+    goes away instead ends the transfer FAILED, and the span is free again."""
+    import socket
+
+    from splitserve.kv.spec import spec_from_caches
+    from splitserve.kv.wire import recv_msg, send_msg
+
+    p = producers(copy_out=True)
+    caches = caches_of(BASE)
+    staging = shm.ConsumerStaging()
+    sock = socket.create_connection(("127.0.0.1", p.port), timeout=5)
+    try:
+        challenge = recv_msg(sock)
+        assert challenge["op"] == "challenge"
+        send_msg(sock, {"op": "hello", "engine_id": "raw-d", "pair_key": "raw/pair",
+                        "spec": spec_from_caches(BASE["model"], BASE["block_size"],
+                                                 caches).to_dict(),
+                        "challenge": "c" * 32, "shm": staging.offer()})
+        assert recv_msg(sock)["shm"] is True
+        free = p.cmd(op="connections")["arena_free"]
+        p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
+        send_msg(sock, {"op": "pull", "transfer_id": "t1", "block_ids": [1, 2], "tag": 1,
+                        "shm": staging.segment.name, "arena": True})
+        reply = recv_msg(sock)
+        assert reply["ok"] and reply["arena"]["positions"] is None
+        assert p.cmd(op="connections")["arena_free"] < free  # kept while we may be reading
+    finally:
+        sock.close()
+        staging.close()
+    deadline = time.monotonic() + 5
+    while p.cmd(op="connections")["arena_free"] != free:
+        assert time.monotonic() < deadline, "the span outlived its consumer"
+        time.sleep(0.05)
+    assert p.cmd(op="finished")["status"]["failed"] == 1
+
+
+def test_holds_that_do_not_fit_the_arena_travel_the_old_way(producers, consumers) -> None:
+    """A 1 MiB arena holds a small copy but not a 7.5 MiB one: that one stays in private
+    memory and is copied into the consumer's segment, as before the arena."""
+    p = producers(copy_out=True, hold_arena_mib=1, num_blocks=64, shape=[2, 128, 128])
+    c = consumers("auto", num_blocks=64, shape=[2, 128, 128])
+    _arena_ready(p, c)
+    for i, n in enumerate([2, 40]):  # 384 KiB fits, 7.5 MiB does not
+        ids = list(range(1, n + 1))
+        p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)
+        assert pull(c, p, f"t{i}", ids, ids[::-1]).ok
+        for name, want in p.expected(ids).items():
+            assert torch.equal(c.caches[name][ids[::-1]].view(torch.uint8),
+                               want.view(torch.uint8))
+    assert c.stats.total.arena_transfers == 1 and c.stats.total.shm_transfers == 3
 
 
 def test_a_forged_segment_offer_is_not_taken(producers) -> None:
