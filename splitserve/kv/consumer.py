@@ -52,6 +52,7 @@ from splitserve.kv.wire import (
     WireError,
     auth_proof,
     check_proof,
+    no_delay,
     recv_msg,
     send_msg,
 )
@@ -319,7 +320,7 @@ class Consumer:
         assert self._spec is not None
         s = self.settings
         try:
-            sock = socket.create_connection((host, port), timeout=s.timeout_s)
+            sock = no_delay(socket.create_connection((host, port), timeout=s.timeout_s))
         except OSError as e:
             raise TransferError(f"cannot reach KV producer at {host}:{port}: {e}") from e
         device = next(iter(self._kv.values())).device

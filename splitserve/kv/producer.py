@@ -50,6 +50,7 @@ from splitserve.kv.wire import (
     WireError,
     auth_proof,
     check_proof,
+    no_delay,
     recv_msg,
     send_msg,
 )
@@ -153,6 +154,7 @@ class Producer:
         while not self._stop.is_set():
             try:
                 conn, addr = self._sock.accept()
+                no_delay(conn)
             except TimeoutError:
                 self.book.reap()
                 continue

@@ -22,6 +22,17 @@ class WireError(ConnectionError):
     """The side channel broke: peer gone, timeout, or a malformed message."""
 
 
+def no_delay(sock: socket.socket) -> socket.socket:
+    """Small messages go out at once. With Nagle's algorithm on, a message sent right after
+    another that the peer has not answered (a pull's "read", then the next pull) waits for the
+    peer's delayed ACK: 40 ms on Linux, measured as a 40 ms floor under every arena pull."""
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    except OSError:
+        pass  # the peer is already gone: the first send or receive will say so
+    return sock
+
+
 def send_msg(sock: socket.socket, msg: dict[str, Any]) -> None:
     body = json.dumps(msg, separators=(",", ":")).encode()
     if len(body) > MAX_MESSAGE_BYTES:
