@@ -10,6 +10,7 @@ this one host takes the shared-memory path (shm.py); the tests that matter for b
 from __future__ import annotations
 
 import signal
+import socket
 import time
 
 import pytest
@@ -220,6 +221,8 @@ def test_a_same_host_consumer_reads_a_held_copy_out_of_the_arena(producers, cons
     assert p.cmd(op="hold", transfer_id="t1", block_ids=[1, 3, 7, 12, 9])["ok"]
     assert p.cmd(op="connections")["arena_free"] < free  # the copy is in the arena
     (peer,) = c._peers.values()
+    # Our "read" and the next pull go out at once, not after the producer's delayed ACK.
+    assert peer.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
     peer.conn.shm.segment.tensor(peer.conn.shm.segment.size).fill_(0)
     assert pull(c, p, "t1", remote, local).ok
     for name, want in p.expected(remote).items():
@@ -250,8 +253,6 @@ def test_an_arena_copy_nobody_pulls_is_freed(producers, consumers, end: str) -> 
 def test_a_consumer_that_never_confirms_its_read_fails_the_transfer(producers) -> None:
     """The producer keeps the span until the consumer says it has read it; a consumer that
     goes away instead ends the transfer FAILED, and the span is free again."""
-    import socket
-
     from splitserve.kv.spec import spec_from_caches
     from splitserve.kv.wire import recv_msg, send_msg
 
