@@ -106,8 +106,9 @@ class Producer:
         self._stop.set()
         if self._sock is not None:
             self._sock.close()
-        if self.arena is not None:
-            self.arena.close()  # unlinks the name; consumers' maps stay valid until they unmap
+        arena, self.arena = self.arena, None  # later holds take private memory
+        if arena is not None:
+            arena.close()  # unlinks the name; consumers' maps stay valid until they unmap
 
     # -- called from the connector's worker half (engine thread) -----------------------------
     def hold(self, tid: TransferId, req_id: str, block_ids: list[int]) -> None:
@@ -310,13 +311,15 @@ class Producer:
                           nbytes: int) -> None:
         """The consumer reads the held copy where it lies: tell it where, then keep the span
         until it says it has read it (the book frees the span when the transfer ends)."""
-        assert self.arena is not None
         if self.settings.stall_before_send_s:
             time.sleep(self.settings.stall_before_send_s)
+        arena = self.arena
+        if arena is None:
+            raise TransferError("KV producer is shutting down")
         where = {b: i for i, b in enumerate(t.block_ids)}
         positions = [where[b] for b in want]
         send_msg(conn, {"ok": True, "nbytes": nbytes, "arena": {
-            "name": self.arena.name, "offset": t.span.offset, "blocks": len(t.block_ids),
+            "name": arena.name, "offset": t.span.offset, "blocks": len(t.block_ids),
             "positions": None if positions == list(range(len(t.block_ids))) else positions}})
         done = recv_msg(conn)
         if done.get("op") != "read" or done.get("transfer_id") != t.transfer_id:
