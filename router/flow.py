@@ -17,7 +17,6 @@ decode RPC, which aborts the request on the decode worker and frees its blocks.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -88,49 +87,33 @@ async def run_flow(request_id: str, prompt_ids: Sequence[int], sampling: common_
     # unique here, so engine request ids, session ids and transfer ids never collide.
     request_id = f"{request_id}-{new_id()}"
     if prefill is None:
-        local = _Decoding(request_id, prompt_ids, sampling, None, decode)
-        try:
-            async with contextlib.aclosing(local.events(deadline, timings)) as events:
-                async for ev in events:
-                    yield ev
-        finally:
-            local.close()
+        async for ev in _decode(request_id, prompt_ids, sampling, None, decode, deadline,
+                                timings):
+            yield ev
         return
 
     transfer_id = request_id
     owed = True  # until we know the prefill held nothing, or a decode consumed the ticket
-    decoding: _Decoding | None = None
     try:
         resp = await _prefill(request_id, transfer_id, prompt_ids, sampling, prefill, deadline,
                               timings)
         owed = resp.HasField("ticket")
         done = resp.HasField("finish_reason") or sampling.max_tokens <= 1
         logprobs = [resp.first_token_logprob] if resp.HasField("first_token_logprob") else []
-        first = TokenEvent([resp.first_token_id], logprobs,
-                           (resp.finish_reason or common_pb2.FINISH_REASON_LENGTH) if done
-                           else None)
+        yield TokenEvent([resp.first_token_id], logprobs,
+                         (resp.finish_reason or common_pb2.FINISH_REASON_LENGTH) if done else None)
         if done:
-            yield first
             return
         ticket = resp.ticket if owed else None  # none: nothing held, the decode side prefills
         if ticket is not None and ticket.lease_expires_at < time.time():
             log.info("request %s: the KV lease of transfer %s ran out before Decode; the decode "
                      "worker prefills instead", request_id, transfer_id)
             ticket = None
-        # The Decode goes out before the first token is relayed: the generator resumes only
-        # when its consumer (detokenising, matching stops, writing to the client) asks for the
-        # next event, and the hand-off must not wait for that. A stop string in the first
-        # token then cancels a started decode (the finally) instead of never starting one.
-        decoding = _Decoding(request_id, prompt_ids, remaining(sampling, 1), ticket, decode,
-                             then=resp.first_token_id)
-        yield first
-        async with contextlib.aclosing(decoding.events(deadline, timings)) as events:
-            async for ev in events:
-                owed = False  # the decode side has pulled (or given up on) the KV
-                yield ev
+        async for ev in _decode(request_id, prompt_ids, remaining(sampling, 1), ticket, decode,
+                                deadline, timings, then=resp.first_token_id):
+            owed = False  # the decode side has pulled (or given up on) the KV
+            yield ev
     finally:
-        if decoding is not None:
-            decoding.close()
         if owed:
             _release_soon(prefill, transfer_id)
 
@@ -163,66 +146,54 @@ async def _prefill(request_id: str, transfer_id: str, prompt_ids: Sequence[int],
     return resp
 
 
-class _Decoding:
-    """A Decode sent on the decode worker's shared session the moment this is made, and its
-    events once taken. Events that are already waiting are merged into one: the client gets
-    one message for them (the session drops a request's inbox at its last event, so a finish
-    is always the last). `close()` (always called) cancels it on the worker unless it finished.
+async def _decode(request_id: str, prompt_ids: Sequence[int],
+                  sampling: common_pb2.SamplingParams, ticket: common_pb2.KvTicket | None,
+                  w: Worker, deadline: float | None, timings: FlowTimings,
+                  then: int | None = None) -> AsyncIterator[TokenEvent]:
+    """The decode worker's events for this request, over the worker's shared session. Events
+    that are already waiting are merged into one: the client gets one message for them (the
+    session drops a request's inbox at its last event, so a finish is always the last).
     `then`: the prefill worker's first token, which the decode side continues from."""
-
-    def __init__(self, request_id: str, prompt_ids: Sequence[int],
-                 sampling: common_pb2.SamplingParams, ticket: common_pb2.KvTicket | None,
-                 w: Worker, then: int | None = None) -> None:
-        self.rid = rid = f"{request_id}-d"
-        req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
-                                       sampling=sampling)
-        if then is not None:  # appended to the message, not to a copy of the prompt
-            req.prompt_token_ids.append(then)
-        if ticket is not None:
-            req.ticket.CopyFrom(ticket)
-        assert w.session is not None, "decode-capable workers have a session"
-        self.w = w
-        self.done = False
-        self._closed = False
-        self._inbox = w.session.start(req)
-        w.inflight += 1
-
-    async def events(self, deadline: float | None, timings: FlowTimings
-                     ) -> AsyncIterator[TokenEvent]:
-        w = self.w
-        try:
-            async with asyncio.timeout(_left(deadline)):
-                while not self.done:
-                    tokens: list[int] = []
-                    logprobs: list[float] = []
-                    for ev in await self._inbox.take():
-                        if isinstance(ev, Broken) or ev.error_code:
-                            if tokens:  # what arrived before the failure still reaches the client
-                                yield TokenEvent(tokens, logprobs)
-                            raise _failure(ev, w)
-                        tokens += ev.output.token_ids
-                        logprobs += ev.output.logprobs
-                    out = ev.output
-                    if tokens and timings.first_token_at is None:
-                        timings.first_token_at = time.perf_counter()
-                    finish = out.finish_reason if out.HasField("finish_reason") else None
-                    if finish is not None:
-                        self.done = True
-                        timings.transfer_s = out.timings.transfer_s
-                        timings.prefill_s += out.timings.prefill_s
-                        timings.decode_s = out.timings.decode_s
-                    yield TokenEvent(tokens, logprobs, finish)
-        except TimeoutError:
-            raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
-                                f"deadline passed while decoding on {w.worker_id}") from None
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        self.w.inflight -= 1
-        if not self.done:
-            self.w.session.cancel_soon(self.rid)  # aborts the worker's request
+    rid = f"{request_id}-d"
+    req = worker_pb2.DecodeRequest(request_id=rid, prompt_token_ids=prompt_ids,
+                                   sampling=sampling)
+    if then is not None:  # appended to the message, not to a copy of the prompt
+        req.prompt_token_ids.append(then)
+    if ticket is not None:
+        req.ticket.CopyFrom(ticket)
+    assert w.session is not None, "decode-capable workers have a session"
+    w.inflight += 1
+    done = False
+    try:
+        async with asyncio.timeout(_left(deadline)):
+            inbox = w.session.start(req)
+            while not done:
+                tokens: list[int] = []
+                logprobs: list[float] = []
+                for ev in await inbox.take():
+                    if isinstance(ev, Broken) or ev.error_code:
+                        if tokens:  # what arrived before the failure still reaches the client
+                            yield TokenEvent(tokens, logprobs)
+                        raise _failure(ev, w)
+                    tokens += ev.output.token_ids
+                    logprobs += ev.output.logprobs
+                out = ev.output
+                if tokens and timings.first_token_at is None:
+                    timings.first_token_at = time.perf_counter()
+                finish = out.finish_reason if out.HasField("finish_reason") else None
+                if finish is not None:
+                    done = True
+                    timings.transfer_s = out.timings.transfer_s
+                    timings.prefill_s += out.timings.prefill_s
+                    timings.decode_s = out.timings.decode_s
+                yield TokenEvent(tokens, logprobs, finish)
+    except TimeoutError:
+        raise RequestFailed(grpc.StatusCode.DEADLINE_EXCEEDED,
+                            f"deadline passed while decoding on {w.worker_id}") from None
+    finally:
+        w.inflight -= 1
+        if not done:
+            w.session.cancel_soon(rid)  # aborts the worker's request when we stop early
 
 
 def _failure(ev: worker_pb2.SessionEvent | Broken, w: Worker) -> RequestFailed:
