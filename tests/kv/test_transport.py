@@ -5,6 +5,8 @@ these tests run in seconds and can kill, stall or mismatch the producer at will.
 
 Consumers here use the pair channel (the cross-host path) unless a test asks for "auto", which on
 this one host takes the shared-memory path (shm.py); the tests that matter for both run on both.
+The same-host path's own tests (its segments, the hold arena): test_transport_shm.py. Fixtures:
+transport_harness.py.
 """
 
 from __future__ import annotations
@@ -16,76 +18,11 @@ import time
 import pytest
 import torch
 
-from bench.kv_producer import DEFAULTS, ProducerProc, caches_of
-from splitserve.kv import shm
-from splitserve.kv.consumer import Consumer, LoadResult, PullJob
-from splitserve.kv.settings import ConnectorSettings
+from splitserve.kv.consumer import LoadResult, PullJob
 from splitserve.kv.spec import spec_from_caches
-from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket, TransferId
 from splitserve.net import free_port
-
-BASE = DEFAULTS
-BOTH = pytest.mark.parametrize("transport", ["pair", "auto"], ids=["pair", "shm"])
-
-
-@pytest.fixture
-def producers():
-    started: list[ProducerProc] = []
-    before = set(shm.leftover_segments())  # a session cluster's workers may hold their own
-
-    def start(**overrides) -> ProducerProc:
-        p = ProducerProc(**overrides)
-        started.append(p)
-        return p
-
-    yield start
-    for p in started:
-        p.close()
-    # Every shared segment is unlinked with its owner: the consumers' (closed first: see
-    # `consumers`) and the producers' hold arenas.
-    assert set(shm.leftover_segments()) <= before
-
-
-@pytest.fixture
-def consumers(producers):  # producers: set up before, torn down after the consumers
-    started: list[Consumer] = []
-
-    def start(transport: str = "pair", **overrides) -> Consumer:
-        cfg = {**BASE, **overrides}
-        caches = caches_of(cfg, seed=99)
-        for t in caches.values():
-            t.zero_()
-        c = Consumer("test-d", ConnectorSettings(timeout_s=cfg["timeout_s"],
-                                                 secret=cfg["secret"], transport=transport),
-                     TransferStats())
-        c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], caches,
-                                         cfg["cache_dtype"]))
-        c.caches = caches
-        started.append(c)
-        return c
-
-    yield start
-    for c in started:
-        c.shutdown()
-
-
-def job(p: ProducerProc, tid: str, remote: list[int], local: list[int]) -> PullJob:
-    return PullJob(tid, p.ticket(tid, remote), local, remote)
-
-
-def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[int],
-         wait_s: float = 20.0) -> LoadResult:
-    c.submit(job(p, tid, remote, local))
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        results = c.take_results()
-        if results:
-            assert len(results) == 1 and results[0].req_id == tid
-            return results[0]
-        time.sleep(0.01)
-    raise AssertionError(f"no result for {tid} within {wait_s} s")
-
+from tests.kv.transport_harness import BASE, BOTH, job, pull
 
 # Every dtype on the pair channel; shared memory moves the same raw words, so fewer suffice.
 _EXACT = [("pair", d, c) for d in ("float32", "bfloat16", "float16", "float8_e4m3fn")
@@ -126,195 +63,6 @@ def test_staging_buffer_is_reused_across_transfers(producers, consumers) -> None
         ptrs.append(peer.conn.chan.staging(1).data_ptr())
     assert len(set(ptrs)) == 1
 
-
-def test_shared_segment_is_reused_and_grown_with_the_largest_pull(producers, consumers) -> None:
-    baseline = set(shm.leftover_segments())  # a session cluster's own
-    p, c = producers(num_blocks=64, shape=[2, 128, 128]), consumers("auto", num_blocks=64,
-                                                                  shape=[2, 128, 128])
-    block = 3 * 2 * 128 * 128 * 2  # layers * heads * tokens * row * bf16: 192 KiB
-    names = []
-    for i, n in enumerate([2, 3, 40, 2]):  # 40 blocks (7.5 MiB) outgrow the first 1 MiB
-        ids = list(range(n))
-        p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)
-        assert pull(c, p, f"t{i}", ids, ids[::-1]).ok
-        (peer,) = c._peers.values()
-        names.append(peer.conn.shm.segment.name)
-        assert peer.conn.shm.segment.size >= n * block
-        # The one it replaced is unlinked.
-        assert set(shm.leftover_segments()) - baseline == {names[-1]}
-    assert names[0] == names[1] != names[2] == names[3]
-    for name, want in p.expected([0, 1]).items():
-        assert torch.equal(c.caches[name][[1, 0]].view(torch.uint8), want.view(torch.uint8))
-    assert p.cmd(op="finished")["total"]["shm_transfers"] == 4
-
-
-def test_a_producer_that_cannot_share_memory_gets_the_pair_channel(producers, consumers) -> None:
-    """The consumer offers its segment; a producer that declines (another host, another IPC
-    namespace, or told not to) is served over the pair channel, and the offer is unlinked."""
-    baseline = set(shm.leftover_segments())  # a session cluster's own
-    p, c = producers(transport="pair"), consumers("auto")
-    p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
-    assert pull(c, p, "t1", [1, 2], [3, 4]).ok
-    (peer,) = c._peers.values()
-    assert peer.conn.shm is None and peer.conn.chan is not None
-    assert c.stats.total.shm_transfers == 0 and set(shm.leftover_segments()) <= baseline
-    for name, want in p.expected([1, 2]).items():
-        assert torch.equal(c.caches[name][[3, 4]].view(torch.uint8), want.view(torch.uint8))
-
-
-def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, consumers,
-                                                                  monkeypatch) -> None:
-    """A container's /dev/shm is often 64 MiB. A segment that does not fit is refused when its
-    pages are reserved (not by SIGBUS on first touch), and the pull goes over the pair channel,
-    as does every later one to that producer."""
-    import errno
-    import os
-
-    real = os.posix_fallocate
-
-    def small_tmpfs(fd: int, offset: int, length: int) -> None:
-        if length > shm.MIN_BYTES:  # room for the first segment only
-            raise OSError(errno.ENOSPC, "No space left on device")
-        real(fd, offset, length)
-
-    monkeypatch.setattr(os, "posix_fallocate", small_tmpfs)
-    baseline = set(shm.leftover_segments())  # a session cluster's own
-    p = producers(num_blocks=64)
-    c = consumers("auto", num_blocks=64)
-    block = 3 * 2 * 32 * 128 * 2  # 48 KiB: 40 blocks need a bigger segment than "fits"
-    for i, (n, local) in enumerate([(2, [50, 51]), (40, list(range(39, -1, -1))),
-                                    (3, [60, 61, 62])]):
-        ids = list(range(n))
-        p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)
-        assert pull(c, p, f"t{i}", ids, local).ok
-    assert 40 * block > shm.MIN_BYTES
-    for name, want in p.expected(list(range(40))).items():
-        assert torch.equal(c.caches[name][list(range(39, -1, -1))].view(torch.uint8),
-                           want.view(torch.uint8))
-    (peer,) = c._peers.values()
-    assert peer.conn.shm is None and peer.conn.chan is not None
-    assert c.stats.total.transfers == 3 and c.stats.total.shm_transfers == 1
-    assert set(shm.leftover_segments()) <= baseline
-
-
-def _arena_ready(p: ProducerProc, c: Consumer) -> int:
-    """One pull so the consumer connects (the producer makes its arena then; that pull's hold
-    came before it, in private memory); the arena's free bytes after."""
-    p.cmd(op="hold", transfer_id="warm", block_ids=[0])
-    assert pull(c, p, "warm", [0], [0]).ok
-    info = p.cmd(op="connections")
-    assert info["arena"] in shm.leftover_segments()
-    assert c.stats.total.arena_transfers == 0
-    return info["arena_free"]
-
-
-@pytest.mark.parametrize(("remote", "local"), [([1, 3, 7, 12, 9], [10, 2, 5, 15, 4]),
-                                               ([3, 7, 1, 12], [10, 2, 5, 15])],
-                         ids=["all-held", "a-subset"])
-def test_a_same_host_consumer_reads_a_held_copy_out_of_the_arena(producers, consumers,
-                                                                remote, local) -> None:
-    """Copy-out holds land in the producer's shared arena; the consumer scatters straight out
-    of it (its own segment unused), bit-exact, also for a subset of the held blocks (a prefix
-    hit on the decode side), and the span is free again once the consumer has read it."""
-    p, c = producers(copy_out=True), consumers("auto")
-    free = _arena_ready(p, c)
-    assert p.cmd(op="hold", transfer_id="t1", block_ids=[1, 3, 7, 12, 9])["ok"]
-    assert p.cmd(op="connections")["arena_free"] < free  # the copy is in the arena
-    (peer,) = c._peers.values()
-    # Our "read" and the next pull go out at once, not after the producer's delayed ACK.
-    assert peer.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-    peer.conn.shm.segment.tensor(peer.conn.shm.segment.size).fill_(0)
-    assert pull(c, p, "t1", remote, local).ok
-    for name, want in p.expected(remote).items():
-        assert torch.equal(c.caches[name][local].view(torch.uint8), want.view(torch.uint8))
-    # Not through our segment: the producer wrote nothing into it.
-    assert not peer.conn.shm.segment.tensor(peer.conn.shm.segment.size)[shm.NONCE_BYTES:].any()
-    state = p.cmd(op="finished")
-    assert state["status"]["held"] == 0 and state["status"]["sent"] == 2
-    assert state["total"]["arena_transfers"] == c.stats.total.arena_transfers == 1
-    assert c.stats.total.shm_transfers == 2
-    assert p.cmd(op="connections")["arena_free"] == free
-
-
-@pytest.mark.parametrize("end", ["lease", "release"])
-def test_an_arena_copy_nobody_pulls_is_freed(producers, consumers, end: str) -> None:
-    p, c = producers(copy_out=True, lease_s=0.5), consumers("auto")
-    free = _arena_ready(p, c)
-    p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2, 3])
-    assert p.cmd(op="connections")["arena_free"] < free
-    if end == "release":
-        assert p.cmd(op="release", transfer_id="t1")["state"] == "held"
-    else:
-        time.sleep(1.2)  # the accept loop reaps expired leases every 0.5 s
-    assert p.cmd(op="connections")["arena_free"] == free
-    assert not pull(c, p, "t1", [1, 2, 3], [4, 5, 6]).ok
-
-
-def test_a_consumer_that_never_confirms_its_read_fails_the_transfer(producers) -> None:
-    """The producer keeps the span until the consumer says it has read it; a consumer that
-    goes away instead ends the transfer FAILED, and the span is free again."""
-    from splitserve.kv.spec import spec_from_caches
-    from splitserve.kv.wire import recv_msg, send_msg
-
-    p = producers(copy_out=True)
-    caches = caches_of(BASE)
-    staging = shm.ConsumerStaging()
-    sock = socket.create_connection(("127.0.0.1", p.port), timeout=5)
-    try:
-        challenge = recv_msg(sock)
-        assert challenge["op"] == "challenge"
-        send_msg(sock, {"op": "hello", "engine_id": "raw-d", "pair_key": "raw/pair",
-                        "spec": spec_from_caches(BASE["model"], BASE["block_size"],
-                                                 caches).to_dict(),
-                        "challenge": "c" * 32, "shm": staging.offer()})
-        assert recv_msg(sock)["shm"] is True
-        free = p.cmd(op="connections")["arena_free"]
-        p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
-        send_msg(sock, {"op": "pull", "transfer_id": "t1", "block_ids": [1, 2], "tag": 1,
-                        "shm": staging.segment.name, "arena": True})
-        reply = recv_msg(sock)
-        assert reply["ok"] and reply["arena"]["positions"] is None
-        assert p.cmd(op="connections")["arena_free"] < free  # kept while we may be reading
-    finally:
-        sock.close()
-        staging.close()
-    deadline = time.monotonic() + 5
-    while p.cmd(op="connections")["arena_free"] != free:
-        assert time.monotonic() < deadline, "the span outlived its consumer"
-        time.sleep(0.05)
-    assert p.cmd(op="finished")["status"]["failed"] == 1
-
-
-def test_holds_that_do_not_fit_the_arena_travel_the_old_way(producers, consumers) -> None:
-    """A 1 MiB arena holds a small copy but not a 7.5 MiB one: that one stays in private
-    memory and is copied into the consumer's segment, as before the arena."""
-    p = producers(copy_out=True, hold_arena_mib=1, num_blocks=64, shape=[2, 128, 128])
-    c = consumers("auto", num_blocks=64, shape=[2, 128, 128])
-    _arena_ready(p, c)
-    for i, n in enumerate([2, 40]):  # 384 KiB fits, 7.5 MiB does not
-        ids = list(range(1, n + 1))
-        p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)
-        assert pull(c, p, f"t{i}", ids, ids[::-1]).ok
-        for name, want in p.expected(ids).items():
-            assert torch.equal(c.caches[name][ids[::-1]].view(torch.uint8),
-                               want.view(torch.uint8))
-    assert c.stats.total.arena_transfers == 1 and c.stats.total.shm_transfers == 3
-
-
-def test_a_forged_segment_offer_is_not_taken(producers) -> None:
-    """The producer takes the path only if it reads the offer's nonce in the named segment."""
-    from splitserve.kv.shm import ConsumerStaging, ProducerAttachment
-
-    staging = ConsumerStaging()
-    try:
-        good = ProducerAttachment.accept(staging.offer())
-        assert good is not None
-        good.close()
-        assert ProducerAttachment.accept({**staging.offer(), "nonce": "00" * 16}) is None
-        assert ProducerAttachment.accept({"name": "../../etc/passwd", "nonce": ""}) is None
-        assert ProducerAttachment.accept({"name": shm.PREFIX + "0" * 24, "nonce": ""}) is None
-    finally:
-        staging.close()
 
 
 @pytest.mark.parametrize(("field", "value", "needle"), [
@@ -560,7 +308,6 @@ def test_a_consumer_without_the_secret_is_refused_by_the_producer(producers, con
 def test_connections_beyond_the_bound_are_turned_away(producers, consumers) -> None:
     """A flood of connections costs the producer at most `max_connections` threads; the rest
     are told why and closed, and once a slot frees a real consumer pulls as usual."""
-    import socket
 
     from splitserve.kv.wire import recv_msg
 
