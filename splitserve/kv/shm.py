@@ -155,10 +155,12 @@ class Segment:
             os.close(fd)
         return cls(name, mm, None)
 
-    def tensor(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self.size:
-            raise ValueError(f"segment {self.name} holds {self.size} bytes, {nbytes} asked")
-        return self._flat[:nbytes]
+    def tensor(self, nbytes: int, offset: int = 0) -> torch.Tensor:
+        """`nbytes` from `offset` (ValueError when they are not inside the segment)."""
+        if offset < 0 or nbytes < 0 or offset + nbytes > self.size:
+            raise ValueError(f"span {offset}+{nbytes} is outside segment {self.name} "
+                             f"({self.size} bytes)")
+        return self._flat[offset:offset + nbytes]
 
     def write_nonce(self) -> str:
         nonce = secrets.token_bytes(NONCE_BYTES)
@@ -218,10 +220,7 @@ class ConsumerStaging:
             if self.arena is not None:
                 self.arena.close()
             self.arena = seg
-        if offset < 0 or nbytes < 0 or offset + nbytes > self.arena.size:
-            raise ValueError(f"span {offset}+{nbytes} is outside arena {self.arena.name} "
-                             f"({self.arena.size} bytes)")
-        return self.arena.tensor(offset + nbytes)[offset:]
+        return self.arena.tensor(nbytes, offset)
 
     def close(self) -> None:
         self.segment.close()
@@ -331,7 +330,7 @@ class HoldArena:
     def tensor(self, span: Span, nbytes: int) -> torch.Tensor:
         """The first `nbytes` of `span`, a uint8 view into the arena."""
         assert nbytes <= span.nbytes
-        return self.segment.tensor(span.offset + nbytes)[span.offset:]
+        return self.segment.tensor(nbytes, span.offset)
 
     def free_bytes(self) -> int:
         with self._lock:
