@@ -50,3 +50,10 @@ def scatter(src: torch.Tensor, kv_caches: dict[str, torch.Tensor], block_ids: li
     idx = torch.tensor(block_ids, dtype=torch.long, device=first.device)
     for i, layer in enumerate(kv_caches.values()):
         _words(layer).index_copy_(0, idx, src[i])
+
+
+def scatter_layer(src: torch.Tensor, layer: torch.Tensor, block_ids: list[int]) -> None:
+    """Write one layer's part of a staging view (`src[i]`) into `block_ids` of `layer`."""
+    if block_ids:
+        idx = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
+        _words(layer).index_copy_(0, idx, src)

@@ -25,6 +25,7 @@ from __future__ import annotations
 import logging
 import time
 import uuid
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -39,6 +40,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStat
 from vllm.v1.request import RequestStatus
 
 from splitserve.kv.consumer import Consumer, PullJob
+from splitserve.kv.layered import LayeredScatter
 from splitserve.kv.producer import Producer
 from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.spec import KVSpec, spec_from_caches
@@ -123,6 +125,9 @@ class SplitServeConnector(KVConnectorBase_V1):
         self.producer: Producer | None = None
         self.consumer: Consumer | None = None
         self._load_errors: set[int] = set()  # blocks of failed in-step loads, for vLLM
+        self._layer_index: dict[str, int] = {}  # layer name -> its place in the caches' order
+        self._layered: tuple[PullJob, LayeredScatter, Future[str | None]] | None = None
+        self._cpu_caches = False
 
     # ===================================== scheduler half ====================================
     def _ticket(self, request: Request) -> KVTicket | None:
@@ -153,12 +158,15 @@ class SplitServeConnector(KVConnectorBase_V1):
         # hit), so they pair with the tail of the producer's blocks up to the claimed end.
         claimable = _claimable(request, ticket)
         end = -(-claimable // self.block_size)
-        sync = self.settings.load == "sync"
+        sync = self.settings.load != "async"
+        tail = None
         if sync:
             # Blocks loaded in the step are cached (hashed) at allocation, so "unhashed" does
             # not name them: take them by position, from the end of our own prefix hit.
             start = (claimable - num_external_tokens) // self.block_size
             local = blocks.get_block_ids()[0][start:end]
+            if claimable % self.block_size:  # the step writes the first new token in there
+                tail = local[-1] if local else None
         else:
             local = blocks.get_unhashed_block_ids()
         remote = list(ticket.block_ids[max(end - len(local), 0):end])
@@ -167,8 +175,9 @@ class SplitServeConnector(KVConnectorBase_V1):
                       request.request_id, len(local), len(remote))
         corrupt = (self.settings.allow_fault_injection
                    and request.kv_transfer_params.get("fault") == "corrupt")
-        self._to_pull.append(PullJob(request.request_id, ticket, list(local)[:len(remote)],
-                                     remote, corrupt, sync=sync))
+        pulled = list(local)[:len(remote)]
+        self._to_pull.append(PullJob(request.request_id, ticket, pulled, remote, corrupt,
+                                     sync=sync, tail_block=tail if tail in pulled else None))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = SplitServeMeta(hold=self._to_hold, pull=self._to_pull, release=self._to_release)
@@ -209,6 +218,8 @@ class SplitServeConnector(KVConnectorBase_V1):
     # ====================================== worker half ======================================
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         model = self._vllm_config.model_config.served_model_name
+        self._layer_index = {name: i for i, name in enumerate(kv_caches)}
+        self._cpu_caches = next(iter(kv_caches.values())).device.type == "cpu"
         self.spec = spec_from_caches(str(model), self.block_size, kv_caches,
                                      str(self._vllm_config.cache_config.cache_dtype))
         if self.is_producer:
@@ -237,28 +248,52 @@ class SplitServeConnector(KVConnectorBase_V1):
         for h in meta.hold:
             assert self.producer is not None
             self.producer.hold(h.transfer_id, h.req_id, h.block_ids)
+        in_step = [job for job in meta.pull if job.sync]
         for job in meta.pull:
             assert self.consumer is not None
             if not job.sync:
                 self.consumer.submit(job)
+            elif job is in_step[-1] and self._layers_beside():
+                # The last one: the forward overlaps its scatter (the others are in place by
+                # then; loads from one producer take turns, so only one can run beside it).
+                layered = LayeredScatter(len(self._layer_index), job.tail_block,
+                                         self.settings.layer_stall_s)
+                self._layered = (job, layered, self.consumer.load_layered(job, layered))
             elif not self.consumer.load_now(job):
                 self._load_errors.update(job.local_block_ids)
         for ticket in meta.release:
             assert self.consumer is not None
             self.consumer.release(ticket)
 
+    def _layers_beside(self) -> bool:
+        """Whether in-step loads overlap the forward (layered.py): CPU caches only. On a GPU
+        the scatter is queued on the device's stream, ahead of the forward, already."""
+        return self.settings.load == "layered" and self._cpu_caches
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         return  # the step's loads started (or, in-step, ran) when its metadata was bound
 
     def wait_for_layer_load(self, layer_name: str) -> None:
-        return  # whole-request async loads: the request is not scheduled until they finish
+        # Async loads: the request is not scheduled until they finish; whole in-step loads
+        # are done before the forward. A layered one may still be scattering this layer.
+        if self._layered is not None:
+            last = len(self._layer_index) - 1  # a layer we do not know: wait for them all
+            self._layered[1].wait_layer(self._layer_index.get(layer_name, last))
+
+    def _join_layered(self) -> None:
+        """After the forward: the layered load's end, its blocks reported if it failed."""
+        if self._layered is not None:
+            job, _, done = self._layered
+            self._layered = None
+            if done.result() is not None:
+                self._load_errors.update(job.local_block_ids)
 
     def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: Any,
                       **kwargs: Any) -> None:
         return  # pull model: nothing is pushed while computing
 
     def wait_for_save(self) -> None:
-        return
+        self._join_layered()  # the first hook after the forward (nothing is saved: pull model)
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         out = KVConnectorTransferResults()
@@ -273,6 +308,7 @@ class SplitServeConnector(KVConnectorBase_V1):
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         """In-step loads that failed: vLLM recomputes (or fails) what those blocks held."""
+        self._join_layered()
         out, self._load_errors = self._load_errors, set()
         return out
 

@@ -33,12 +33,14 @@ import socket
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
 
 from splitserve.kv import blocks
+from splitserve.kv.layered import LayeredScatter, leave_engine_cores
 from splitserve.kv.link import Link
 from splitserve.kv.pair_channel import CONSUMER_RANK, PairChannel, TransferError, connect_store
 from splitserve.kv.settings import ConnectorSettings
@@ -62,6 +64,10 @@ log = logging.getLogger(__name__)
 # A pull's path: the pair channel, our shared segment, or the producer's hold arena (shm.py).
 PAIR, SHM, ARENA = "pair", "shm", "arena"
 
+# How a pull's bytes go from the staging buffer into the local blocks: blocks.scatter, or a
+# LayeredScatter that lets the forward pass start before it ends (layered.py).
+Scatter = Callable[[torch.Tensor, dict[str, torch.Tensor], list[int]], None]
+
 
 class IncompatiblePeer(TransferError):
     """The handshake failed: the producer refused us (different model/dtype/layout, bad secret)
@@ -76,6 +82,9 @@ class PullJob:
     remote_block_ids: list[int]  # same length, position for position; a subset of the ticket's
     corrupt: bool = False  # fault injection (tests): flip the received bytes
     sync: bool = False  # loaded inside the engine step (`load_now`), not by the pool
+    # In-step loads: the local block that this step also writes (the first new token's slot
+    # in the prompt's last, partial block), when it is one of ours; layered.py.
+    tail_block: int | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +130,9 @@ class Consumer:
         self._kv: dict[str, torch.Tensor] = {}
         self._spec: KVSpec | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-pull")
+        # Layered in-step loads (one per step at most), beside the engine's forward pass.
+        self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-layered",
+                                          initializer=leave_engine_cores)
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._peers_lock = threading.Lock()  # guards the dict only, never held across I/O
         self._results: list[LoadResult] = []
@@ -132,6 +144,7 @@ class Consumer:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
+        self._beside.shutdown(wait=False, cancel_futures=True)
         with self._peers_lock:
             peers, self._peers = list(self._peers.values()), {}
         for peer in peers:
@@ -147,6 +160,20 @@ class Consumer:
         blocks); False when it failed, and the caller reports the blocks as not loaded."""
         return self._load(job) is None
 
+    def load_layered(self, job: PullJob, layered: LayeredScatter) -> Future[str | None]:
+        """Start pulling `job` beside the engine's thread, scattering it through `layered`;
+        returns once the forward pass may start (`layered.ready`). The future's result is the
+        load's error, or None: join it after the forward, before vLLM reads the step's output."""
+        def run() -> str | None:
+            try:
+                return self._load(job, layered)
+            finally:
+                layered.finish()
+
+        done = self._beside.submit(run)
+        layered.ready.wait()
+        return done
+
     def release(self, ticket: KVTicket) -> None:
         """Tell the producer we will not pull (best effort; its lease is the net)."""
         self._pool.submit(self._release, ticket)
@@ -161,12 +188,12 @@ class Consumer:
         error = self._load(job)  # any failure must still come back as a result
         self._finish(LoadResult(job.req_id, error is None, job.local_block_ids, error))
 
-    def _load(self, job: PullJob) -> str | None:
+    def _load(self, job: PullJob, scatter: Scatter = blocks.scatter) -> str | None:
         """One pull, counted in the stats; the error, or None when the blocks are loaded."""
         t0 = time.perf_counter()
         tk = job.ticket
         try:
-            nbytes, path = self._pull(job)
+            nbytes, path = self._pull(job, scatter)
         except Exception as e:
             self.stats.record_failure()
             log.warning("KV load for %s (transfer %s from %s:%d) failed: %s", job.req_id,
@@ -180,7 +207,7 @@ class Consumer:
         with self._results_lock:
             self._results.append(result)
 
-    def _pull(self, job: PullJob) -> tuple[int, str]:
+    def _pull(self, job: PullJob, scatter: Scatter) -> tuple[int, str]:
         """The bytes moved, and their path (PAIR, SHM or ARENA)."""
         assert len(job.local_block_ids) == len(job.remote_block_ids)
         peer = self._peer(job.ticket)
@@ -188,7 +215,7 @@ class Consumer:
             _check_up(peer)  # under the lock: loads queued behind the one that timed out
             t0 = time.monotonic()
             try:
-                return self._pull_locked(peer, job)
+                return self._pull_locked(peer, job, scatter)
             except Exception:
                 # Marked down only when the load waited out its timeout and no link is left (a
                 # hung or unreachable producer): the case that stalls an in-step batch. A quick
@@ -200,7 +227,7 @@ class Consumer:
                     peer.down_until = time.monotonic() + self.settings.timeout_s
                 raise
 
-    def _pull_locked(self, peer: _Peer, job: PullJob) -> tuple[int, str]:
+    def _pull_locked(self, peer: _Peer, job: PullJob, scatter: Scatter) -> tuple[int, str]:
         assert self._spec is not None
         tk = job.ticket
         conn = self._connected(peer, tk)
@@ -255,7 +282,7 @@ class Consumer:
                 # Every byte flipped, into a copy: the arena is read-only to us.
                 src = src.view(torch.uint8).bitwise_xor(0x5A).view(src.dtype)
             # Still under the peer lock: the next pull from this peer reuses the staging buffer.
-            blocks.scatter(src, self._kv, job.local_block_ids)
+            scatter(src, self._kv, job.local_block_ids)
             del src  # no view of a shared segment outlives the lock (it may be replaced)
             if path == ARENA:
                 # The producer keeps the span until we say so (and then frees it).

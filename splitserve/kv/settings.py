@@ -12,7 +12,7 @@ from typing import Any
 
 HOLD_MODES = ("auto", "copy", "blocks")
 TRANSPORTS = ("auto", "pair")
-LOADS = ("async", "sync")
+LOADS = ("async", "sync", "layered")
 KV_SECRET_ENV = "SPLITSERVE_KV_SECRET"
 
 
@@ -35,6 +35,7 @@ class ConnectorSettings:
     # really travels). Off unless a deployment turns it on, so clients cannot use it.
     allow_fault_injection: bool = False
     stall_before_send_s: float = 0.0  # producer: pause mid-transfer (tests kill it there)
+    layer_stall_s: float = 0.0  # consumer: pause before each layer of a layered scatter (tests)
     # producer: "copy" copies held blocks out and frees them at once, "blocks" keeps vLLM's
     # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
     # (device memory is the scarce thing there).
@@ -50,7 +51,9 @@ class ConnectorSettings:
     # forward pass (the second token one step sooner; the whole batch waits for the pull, a hung
     # producer up to timeout_s once, after which loads from it fail at once for timeout_s: see
     # consumer.py); "async" pulls beside the engine's steps and schedules the request once the
-    # KV has landed (a step or two later; a slow producer delays nobody else). docs/benchmarks.md,
+    # KV has landed (a step or two later; a slow producer delays nobody else); "layered" is
+    # "sync" with the scatter running beside the forward pass, a layer ahead of it, instead of
+    # before it (CPU caches; elsewhere it is "sync"; layered.py). docs/benchmarks.md,
     # "KV hand-off", has the measurements behind the default.
     load: str = "sync"
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
@@ -65,6 +68,8 @@ class ConnectorSettings:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
+        if self.layer_stall_s < 0:
+            raise ValueError(f"layer_stall_s must be >= 0, got {self.layer_stall_s}")
         if self.hold_arena_mib < 0:
             raise ValueError(f"hold_arena_mib must be >= 0, got {self.hold_arena_mib}")
         if self.max_connections < 1:

@@ -5,6 +5,9 @@ Engines, shared by the module (starting one costs ~15 s on 2 cores):
   PB  the same, holding vLLM's blocks until pulled (the GPU default)
   D   consumer, kv_load_failure_policy "recompute", fault injection allowed
   DF  consumer, policy "fail"
+  DS  consumer, loads in the step that schedules the request, before its forward pass
+  DL  the same, but scattering each layer beside the forward (layered.py), slowed down so that
+      a forward that did not wait for its layer would read it unfilled
   C   plain colocated engine: the reference every disaggregated output must equal
 After every test all four are idle with no KV block in use (leak check).
 """
@@ -38,6 +41,8 @@ pytestmark = pytest.mark.slow
 LEASE_S = 4.0
 TIMEOUT_S = 5.0
 MAX_TOKENS = 16
+# DL's pause before scattering each layer: far longer than a forward pass of the tiny model.
+LAYER_STALL_S = 0.05
 
 
 class Cluster(EngineSet):
@@ -57,6 +62,9 @@ class Cluster(EngineSet):
                                kv_failure_policy="fail", kv_settings=replace(kv, load="async")),
             "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="DS",
                                kv_settings=replace(kv, load="sync", allow_fault_injection=True)),
+            "DL": EngineConfig(**base, kv_role="kv_consumer", engine_id="DL",
+                               kv_settings=replace(kv, load="layered", layer_stall_s=LAYER_STALL_S,
+                                                   allow_fault_injection=True)),
             "C": EngineConfig(**base),
         })
 
@@ -84,8 +92,11 @@ def no_leaks(cluster: Cluster):
 
 
 # D loads asynchronously (beside the engine's steps), DS in the step that schedules the request,
-# before its forward pass reads the blocks (a race there would show as wrong tokens).
-LOADS = pytest.mark.parametrize("consumer", ["D", "DS"], ids=["async-load", "in-step-load"])
+# before its forward pass reads the blocks, DL in that step beside its forward pass (a race
+# there would show as wrong tokens).
+LOADS = pytest.mark.parametrize("consumer", ["D", "DS", "DL"],
+                                ids=["async-load", "in-step-load", "layered-load"])
+IN_STEP = pytest.mark.parametrize("consumer", ["DS", "DL"], ids=["in-step-load", "layered-load"])
 
 
 @LOADS
@@ -119,17 +130,34 @@ def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluste
     assert pulled.failures == 0 and pulled.bytes > 0
 
 
-def test_a_failed_in_step_load_is_recomputed(cluster: Cluster) -> None:
+def test_layered_load_one_request_at_a_time(cluster: Cluster) -> None:
+    """Alone in its step, every load is scattered beside the forward pass (under concurrency
+    only a step's last load is). The prompts end mid-block: the step writes the first new
+    token's K/V into the last pulled block before its layer's wait, so a scatter of that block
+    after the write (with the others, a layer at a time) would overwrite it."""
+    lengths = [1, 5, 17, 129, 200, 300, 511]  # none a multiple of the block size (128)
+    prompts = make_prompts(Path(cluster.model), lengths, seed=7)
+    want = cluster.run(engine_greedy(cluster.C, prompts, MAX_TOKENS))
+    before = cluster.monitors["DL"].snapshot().transfers
+    for n, ids, w in zip(lengths, prompts, want):
+        got, _ = cluster.run(disagg_greedy(cluster.P, cluster.DL, ids, MAX_TOKENS, f"one-{n}"))
+        assert got == w, f"{n}-token prompt: layered {got} != colocated {w}"
+    after = cluster.monitors["DL"].snapshot().transfers
+    assert after.transfers - before.transfers == len(lengths) and after.failures == before.failures
+
+
+@IN_STEP
+def test_a_failed_in_step_load_is_recomputed(cluster: Cluster, consumer: str) -> None:
     """The pull is refused (a transfer the producer never held): the connector reports the
     blocks as not loaded, vLLM recomputes them, and the answer is still right."""
     (ids,) = make_prompts(Path(cluster.model), [260], seed=13)
     want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
-    failures = cluster.monitors["DS"].snapshot().transfers.failures
+    failures = cluster.monitors[consumer].snapshot().transfers.failures
     tokens, reason = cluster.run(disagg_greedy(
-        cluster.P, cluster.DS, ids, MAX_TOKENS, "sync-nohold",
+        cluster.P, cluster.engines[consumer], ids, MAX_TOKENS, f"{consumer}-nohold",
         rewrite=lambda t: replace(t, transfer_id="never-held")))
     assert tokens == want and reason == "length"
-    assert cluster.monitors["DS"].snapshot().transfers.failures == failures + 1
+    assert cluster.monitors[consumer].snapshot().transfers.failures == failures + 1
 
 
 def test_consumer_prefix_cache_hit_shrinks_the_pull(cluster: Cluster) -> None:
