@@ -12,8 +12,9 @@ Request lifecycle, producer (prefill) engine, params `produce_params(transfer_id
   A request that stopped on EOS, was aborted or errored will not be decoded: blocks freed at once.
 Request lifecycle, consumer (decode) engine, params `ticket.to_vllm()`:
   get_num_new_matched_tokens: the producer's tokens beyond our own prefix-cache hit are external,
-  loaded asynchronously (or, with `load="sync"`, in the step that schedules the request, before
-  its forward pass; a failure then reports the blocks as invalid) → update_state_after_alloc:
+  loaded in the step that schedules the request, beside its forward pass (`load="layered"`;
+  "sync": before it; a failure then reports the blocks as invalid), or asynchronously
+  (`load="async"`) → update_state_after_alloc:
   queue a pull of exactly the blocks we lack
   (the tail of the producer's list) into our fresh blocks, clear the consume flag so that a
   recompute never pulls twice → worker pulls → finished_recving (failed_recving on error, and
@@ -267,7 +268,8 @@ class SplitServeConnector(KVConnectorBase_V1):
 
     def _layers_beside(self) -> bool:
         """Whether in-step loads overlap the forward (layered.py): CPU caches only. On a GPU
-        the scatter is queued on the device's stream, ahead of the forward, already."""
+        the engine thread only queues the copies on the device's stream, ahead of the forward's
+        kernels; overlapping them there would take a second stream (not built)."""
         return self.settings.load == "layered" and self._cpu_caches
 
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:

@@ -50,12 +50,12 @@ class ConnectorSettings:
     # consumer: "sync" pulls in the engine step that first schedules the request, before its
     # forward pass (the second token one step sooner; the whole batch waits for the pull, a hung
     # producer up to timeout_s once, after which loads from it fail at once for timeout_s: see
-    # consumer.py); "async" pulls beside the engine's steps and schedules the request once the
-    # KV has landed (a step or two later; a slow producer delays nobody else); "layered" is
-    # "sync" with the scatter running beside the forward pass, a layer ahead of it, instead of
-    # before it (CPU caches; elsewhere it is "sync"; layered.py). docs/benchmarks.md,
-    # "KV hand-off", has the measurements behind the default.
-    load: str = "sync"
+    # consumer.py); "layered" is "sync" with the scatter running beside the forward pass, a
+    # layer ahead of it, instead of before it (CPU caches; elsewhere it is "sync"; layered.py);
+    # "async" pulls beside the engine's steps and schedules the request once the KV has landed
+    # (a step or two later; a slow producer delays nobody else). docs/benchmarks.md, "KV
+    # hand-off", has the measurements behind the default.
+    load: str = "layered"
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
     status_file: str | None = None
 
