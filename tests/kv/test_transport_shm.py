@@ -9,10 +9,9 @@ import time
 import pytest
 import torch
 
-from bench.kv_producer import ProducerProc, caches_of
+from bench.kv_producer import caches_of
 from splitserve.kv import shm
-from splitserve.kv.consumer import Consumer
-from tests.kv.transport_harness import BASE, pull
+from tests.kv.transport_harness import BASE, arena_ready, pull
 
 
 def test_shared_segment_is_reused_and_grown_with_the_largest_pull(producers, consumers) -> None:
@@ -85,17 +84,6 @@ def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, cons
     assert set(shm.leftover_segments()) <= baseline
 
 
-def _arena_ready(p: ProducerProc, c: Consumer) -> int:
-    """One pull so the consumer connects (the producer makes its arena then; that pull's hold
-    came before it, in private memory); the arena's free bytes after."""
-    p.cmd(op="hold", transfer_id="warm", block_ids=[0])
-    assert pull(c, p, "warm", [0], [0]).ok
-    info = p.cmd(op="connections")
-    assert info["arena"] in shm.leftover_segments()
-    assert c.stats.total.arena_transfers == 0
-    return info["arena_free"]
-
-
 @pytest.mark.parametrize(("remote", "local"), [([1, 3, 7, 12, 9], [10, 2, 5, 15, 4]),
                                                ([3, 7, 1, 12], [10, 2, 5, 15])],
                          ids=["all-held", "a-subset"])
@@ -105,7 +93,7 @@ def test_a_same_host_consumer_reads_a_held_copy_out_of_the_arena(producers, cons
     of it (its own segment unused), bit-exact, also for a subset of the held blocks (a prefix
     hit on the decode side), and the span is free again once the consumer has read it."""
     p, c = producers(copy_out=True), consumers("auto")
-    free = _arena_ready(p, c)
+    free = arena_ready(p, c)
     assert p.cmd(op="hold", transfer_id="t1", block_ids=[1, 3, 7, 12, 9])["ok"]
     assert p.cmd(op="connections")["arena_free"] < free  # the copy is in the arena
     (peer,) = c._peers.values()
@@ -127,7 +115,7 @@ def test_a_same_host_consumer_reads_a_held_copy_out_of_the_arena(producers, cons
 @pytest.mark.parametrize("end", ["lease", "release"])
 def test_an_arena_copy_nobody_pulls_is_freed(producers, consumers, end: str) -> None:
     p, c = producers(copy_out=True, lease_s=0.5), consumers("auto")
-    free = _arena_ready(p, c)
+    free = arena_ready(p, c)
     p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2, 3])
     assert p.cmd(op="connections")["arena_free"] < free
     if end == "release":
@@ -178,7 +166,7 @@ def test_holds_that_do_not_fit_the_arena_travel_the_old_way(producers, consumers
     memory and is copied into the consumer's segment, as before the arena."""
     p = producers(copy_out=True, hold_arena_mib=1, num_blocks=64, shape=[2, 128, 128])
     c = consumers("auto", num_blocks=64, shape=[2, 128, 128])
-    _arena_ready(p, c)
+    arena_ready(p, c)
     for i, n in enumerate([2, 40]):  # 384 KiB fits, 7.5 MiB does not
         ids = list(range(1, n + 1))
         p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)

@@ -74,3 +74,14 @@ def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[
             return results[0]
         time.sleep(0.01)
     raise AssertionError(f"no result for {tid} within {wait_s} s")
+
+
+def arena_ready(p: ProducerProc, c: Consumer) -> int:
+    """One pull so the consumer connects (the producer makes its arena then; that pull's hold
+    came before it, in private memory); the arena's free bytes after."""
+    p.cmd(op="hold", transfer_id="warm", block_ids=[0])
+    assert pull(c, p, "warm", [0], [0]).ok
+    info = p.cmd(op="connections")
+    assert info["arena"] in shm.leftover_segments()
+    assert c.stats.total.arena_transfers == 0
+    return info["arena_free"]
