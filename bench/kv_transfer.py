@@ -1,12 +1,15 @@
 """KV transfer throughput: our pair channel and connector against their ceilings, per size.
 
-    python bench/kv_transfer.py [--sizes-mb 1,16,128] [--repeats N] [--json FILE]
+    python bench/kv_transfer.py [--sizes-mb 1,16,128] [--repeats N] [--rounds R] [--json FILE]
 
 Sizes are MiB (2**20 bytes); GB/s is bytes / seconds / 1e9. The network columns are measured by
 the receiver (this process) from a sender in a spawned child, both on 127.0.0.1: after one
 warm-up message the receiver starts its clock, sends a 1-byte "go", and receives `repeats`
 messages sent back to back; the figure is repeats * size / elapsed (no round trip per message).
 Per size, all methods run back to back, so a busy neighbour skews a row rather than a ratio.
+The pair channel and raw TCP take turns `rounds` times per size (pair, TCP, pair, TCP, ...):
+their columns are the medians of the rounds, and pair_vs_tcp the median of each round's ratio,
+so one stall of a shared host (at 16 MiB a round is ~50 ms) does not decide the ratio.
 
 Columns:
   pair_channel_gbps  a uint8 tensor from rank 0 to rank 1 over PairChannel (gloo on CPU); the
@@ -45,6 +48,7 @@ import multiprocessing as mp
 import os
 import platform
 import socket
+import statistics
 import threading
 import time
 import uuid
@@ -77,10 +81,11 @@ LAYERS, BLOCK_SHAPE, DTYPE = 2, (2, 128, 128), torch.bfloat16
 BLOCK_BYTES = LAYERS * BLOCK_SHAPE[0] * BLOCK_SHAPE[1] * BLOCK_SHAPE[2] * DTYPE.itemsize
 PRODUCER_ID = "bench-p"
 DEFAULT_REPEATS = 10
+DEFAULT_ROUNDS = 5
 COLUMNS = ("pair_channel_gbps", "tcp_loopback_gbps", "memcpy_gbps", "connector_gbps",
            "connector_shm_gbps", "connector_arena_gbps", "pair_vs_tcp", "shm_vs_pair",
            "arena_vs_shm")
-Measure = Callable[[int], float]  # size in bytes -> GB/s; called once per size, in order
+Measure = Callable[[int], float]  # size in bytes -> GB/s; called in the order its sender sends
 
 
 def gbps(nbytes: int, seconds: float) -> float:
@@ -268,20 +273,24 @@ def connector(sizes: list[int], repeats: int, transport: str,
 
 
 # -- driver ----------------------------------------------------------------------------------------
-def run(sizes_mb: list[int], repeats: int) -> list[dict[str, float]]:
+def run(sizes_mb: list[int], repeats: int, rounds: int = DEFAULT_ROUNDS
+        ) -> list[dict[str, float]]:
     sizes = [mb * MIB for mb in sizes_mb]
+    turns = [n for n in sizes for _ in range(rounds)]  # what the two senders send, in order
     rows: list[dict[str, float]] = []
     with ExitStack() as stack:
-        pair = stack.enter_context(pair_channel(sizes, repeats))
-        tcp = stack.enter_context(tcp_loopback(sizes, repeats))
+        pair = stack.enter_context(pair_channel(turns, repeats))
+        tcp = stack.enter_context(tcp_loopback(turns, repeats))
         pull = stack.enter_context(connector(sizes, repeats, "pair"))
         pull_shm = stack.enter_context(connector(sizes, repeats, "auto"))
         pull_arena = stack.enter_context(connector(sizes, repeats, "auto", arena=True))
         for mb, n in zip(sizes_mb, sizes, strict=True):
-            row = {"size_mb": mb, "pair_channel_gbps": pair(n), "tcp_loopback_gbps": tcp(n),
+            both = [(pair(n), tcp(n)) for _ in range(rounds)]
+            row = {"size_mb": mb, "pair_channel_gbps": statistics.median(p for p, _ in both),
+                   "tcp_loopback_gbps": statistics.median(t for _, t in both),
                    "memcpy_gbps": memcpy(n, repeats), "connector_gbps": pull(n),
                    "connector_shm_gbps": pull_shm(n), "connector_arena_gbps": pull_arena(n)}
-            rows.append({**row, "pair_vs_tcp": row["pair_channel_gbps"] / row["tcp_loopback_gbps"],
+            rows.append({**row, "pair_vs_tcp": statistics.median(p / t for p, t in both),
                          "shm_vs_pair": row["connector_shm_gbps"] / row["connector_gbps"],
                          "arena_vs_shm": row["connector_arena_gbps"]
                          / row["connector_shm_gbps"]})
@@ -304,16 +313,19 @@ def main() -> None:
     ap = argparse.ArgumentParser(description="KV transfer throughput (see the module docstring)")
     ap.add_argument("--sizes-mb", default="1,16,128", help="comma-separated sizes in MiB")
     ap.add_argument("--repeats", type=int, default=DEFAULT_REPEATS, help="timed messages per size")
+    ap.add_argument("--rounds", type=int, default=DEFAULT_ROUNDS,
+                    help="turns the pair channel and raw TCP take per size (medians reported)")
     ap.add_argument("--json", type=Path, help="also write the results to this file")
     args = ap.parse_args()
     sizes_mb = [int(s) for s in args.sizes_mb.split(",") if s.strip()]
-    if not sizes_mb or min(sizes_mb) <= 0 or args.repeats <= 0:
-        ap.error("sizes and repeats must be positive")
-    rows = run(sizes_mb, args.repeats)
+    if not sizes_mb or min(sizes_mb) <= 0 or args.repeats <= 0 or args.rounds <= 0:
+        ap.error("sizes, repeats and rounds must be positive")
+    rows = run(sizes_mb, args.repeats, args.rounds)
     print(table(rows))
     if args.json:
         args.json.write_text(json.dumps({"rows": rows, "machine": machine(),
-                                         "repeats": args.repeats}, indent=2) + "\n")
+                                         "repeats": args.repeats, "rounds": args.rounds},
+                                        indent=2) + "\n")
 
 
 if __name__ == "__main__":
