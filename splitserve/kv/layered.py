@@ -77,8 +77,9 @@ class LayeredScatter:
 def leave_engine_cores() -> None:
     """Move the calling thread off the cores it inherited from the engine's thread (bound to
     the engine's own cores), onto the host's others: beside the forward pass, not under it. A
-    thread left on the engine's core would only take turns with the forward. No-op where the
-    engine holds every core."""
+    thread left on the engine's core would only take turns with the forward. It may land on
+    another engine's core: a few milliseconds of copying per hand-off (the same work `sync` does
+    on the engine's own core). No-op where the engine holds every core."""
     own = os.sched_getaffinity(0)
     others = set(range(os.cpu_count() or 1)) - own
     if others:
