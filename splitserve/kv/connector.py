@@ -12,8 +12,8 @@ Request lifecycle, producer (prefill) engine, params `produce_params(transfer_id
   A request that stopped on EOS, was aborted or errored will not be decoded: blocks freed at once.
 Request lifecycle, consumer (decode) engine, params `ticket.to_vllm()`:
   get_num_new_matched_tokens: the producer's tokens beyond our own prefix-cache hit are external,
-  loaded in the step that schedules the request, beside its forward pass (`load="layered"`;
-  "sync": before it; a failure then reports the blocks as invalid), or asynchronously
+  loaded in the step that schedules the request, before its forward pass (`load="sync"`;
+  "layered": beside it; a failure then reports the blocks as invalid), or asynchronously
   (`load="async"`) → update_state_after_alloc:
   queue a pull of exactly the blocks we lack
   (the tail of the producer's list) into our fresh blocks, clear the consume flag so that a

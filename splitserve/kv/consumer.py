@@ -9,9 +9,9 @@ Lifecycle of one load here:
   take_results()   R is reported finished (and failed, with its blocks, if the pull failed) on
                    the next engine step; vLLM then decodes R or applies the failure policy.
 Every job ends in take_results(), success or not: a parked request whose id never comes back
-would hold its blocks forever. load_now(job) is the in-step form (`load="sync"`): the same
-pull on the engine's thread, before the forward pass that reads the blocks. load_layered(job)
-(the default, `load="layered"`) runs it on a helper thread beside that forward pass, which
+would hold its blocks forever. load_now(job) is the in-step form (the default, `load="sync"`):
+the same pull on the engine's thread, before the forward pass that reads the blocks.
+load_layered(job) (`load="layered"`) runs it on a helper thread beside that forward pass, which
 waits for each layer's blocks before it reads them (layered.py).
 
 One connection per producer address, made on first use and reused; a producer that shares this

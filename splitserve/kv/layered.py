@@ -20,6 +20,12 @@ the forward the engine thread joins the helper, which has sent the producer its 
 helper always calls `finish`, failed or not, so no wait outlives the load: a load that failed
 reports its blocks as not loaded after the forward, as an in-step load always has, and vLLM
 discards that step's token for the request and recomputes (or fails it, by policy).
+
+Not the default: under load the helper waits for a core the other engine keeps busy, and the
+forward waits for the helper (docs/benchmarks.md, "KV hand-off": TPOT 6.1 -> 8.0 ms on the
+tiny model at 5 req/s, where the gap between the first and second token shrank 63 -> 55 ms on
+the bench model at low load). Planned: the pull's round trip on the engine's thread, and the
+engine's thread scattering the layers the helper has not reached when the forward gets there.
 """
 
 from __future__ import annotations

@@ -54,8 +54,9 @@ class ConnectorSettings:
     # layer ahead of it, instead of before it (CPU caches; elsewhere it is "sync"; layered.py);
     # "async" pulls beside the engine's steps and schedules the request once the KV has landed
     # (a step or two later; a slow producer delays nobody else). docs/benchmarks.md, "KV
-    # hand-off", has the measurements behind the default.
-    load: str = "layered"
+    # hand-off", has the measurements behind the default: "layered" shortens the hand-off at
+    # low load but cost TPOT under load (its helper waits for a core that is busy then).
+    load: str = "sync"
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
     status_file: str | None = None
 
