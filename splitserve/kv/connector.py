@@ -160,14 +160,11 @@ class SplitServeConnector(KVConnectorBase_V1):
         claimable = _claimable(request, ticket)
         end = -(-claimable // self.block_size)
         sync = self.settings.load != "async"
-        tail = None
         if sync:
             # Blocks loaded in the step are cached (hashed) at allocation, so "unhashed" does
             # not name them: take them by position, from the end of our own prefix hit.
             start = (claimable - num_external_tokens) // self.block_size
             local = blocks.get_block_ids()[0][start:end]
-            if claimable % self.block_size:  # the step writes the first new token in there
-                tail = local[-1] if local else None
         else:
             local = blocks.get_unhashed_block_ids()
         remote = list(ticket.block_ids[max(end - len(local), 0):end])
@@ -177,8 +174,12 @@ class SplitServeConnector(KVConnectorBase_V1):
         corrupt = (self.settings.allow_fault_injection
                    and request.kv_transfer_params.get("fault") == "corrupt")
         pulled = list(local)[:len(remote)]
+        # In-step: the pulled block the step also writes (the first new token's slot), if the
+        # prompt ends mid-block and that block is ours to pull.
+        tail = (pulled[-1] if sync and claimable % self.block_size and pulled
+                and len(pulled) == len(local) else None)
         self._to_pull.append(PullJob(request.request_id, ticket, pulled, remote, corrupt,
-                                     sync=sync, tail_block=tail if tail in pulled else None))
+                                     sync=sync, tail_block=tail))
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         meta = SplitServeMeta(hold=self._to_hold, pull=self._to_pull, release=self._to_release)
@@ -249,12 +250,14 @@ class SplitServeConnector(KVConnectorBase_V1):
         for h in meta.hold:
             assert self.producer is not None
             self.producer.hold(h.transfer_id, h.req_id, h.block_ids)
-        in_step = [job for job in meta.pull if job.sync]
+        # The step's last in-step load may run beside the forward (layered.py).
+        beside = (next((j for j in reversed(meta.pull) if j.sync), None)
+                  if self._layers_beside() else None)
         for job in meta.pull:
             assert self.consumer is not None
             if not job.sync:
                 self.consumer.submit(job)
-            elif job is in_step[-1] and self._layers_beside():
+            elif job is beside:
                 # The last one: the forward overlaps its scatter (the others are in place by
                 # then; loads from one producer take turns, so only one can run beside it).
                 layered = LayeredScatter(len(self._layer_index), job.tail_block,
