@@ -260,9 +260,8 @@ class SplitServeConnector(KVConnectorBase_V1):
             elif job is beside:
                 # The last one: the forward overlaps its scatter (the others are in place by
                 # then; loads from one producer take turns, so only one can run beside it).
-                layered = LayeredScatter(len(self._layer_index), job.tail_block,
-                                         self.settings.layer_stall_s)
-                self._layered = (job, layered, self.consumer.load_layered(job, layered))
+                self._layered = (job, *self.consumer.load_layered(job,
+                                                                  self.settings.layer_stall_s))
             elif not self.consumer.load_now(job):
                 self._load_errors.update(job.local_block_ids)
         for ticket in meta.release:

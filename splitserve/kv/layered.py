@@ -15,17 +15,16 @@ Full blocks are never written by the step: prefix caching shares only full block
 tokens go into the partial block or into fresh ones that are not part of the pull.
 
 Lifecycle: the engine thread starts the load on the helper and waits for `ready` (the pull's
-round trip and the tail block); the forward runs, each layer waiting for its own scatter; after
-the forward the engine thread joins the helper, which has sent the producer its "read". The
-helper always calls `finish`, failed or not, so no wait outlives the load: a load that failed
-reports its blocks as not loaded after the forward, as an in-step load always has, and vLLM
-discards that step's token for the request and recomputes (or fails it, by policy).
-
-Not the default: under load the helper waits for a core the other engine keeps busy, and the
-forward waits for the helper (docs/benchmarks.md, "KV hand-off": TPOT 6.1 -> 8.0 ms on the
-tiny model at 5 req/s, where the gap between the first and second token shrank 63 -> 55 ms on
-the bench model at low load). Planned: the pull's round trip on the engine's thread, and the
-engine's thread scattering the layers the helper has not reached when the forward gets there.
+round trip and the tail block). Meanwhile the engine's core is idle, so the helper does that
+part there (`Placement.join`); then it moves to the host's other cores (`Placement.leave`) and
+scatters the layers in order while the forward runs. A layer is scattered by whoever claims it
+first: the forward, reaching a layer the helper has not claimed, scatters it itself, so a helper
+kept off the cores by other work costs no more than `sync` would. After the forward the engine
+thread joins the helper, which waits for every layer (its own and those the forward took) before
+it tells the producer "read". The helper always calls `finish`, failed or not, so no wait
+outlives the load: a load that failed reports its blocks as not loaded after the forward, as an
+in-step load always has, and vLLM discards that step's token for the request and recomputes (or
+fails it, by policy).
 """
 
 from __future__ import annotations
@@ -33,6 +32,7 @@ from __future__ import annotations
 import os
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -40,56 +40,110 @@ from splitserve.kv import blocks
 
 
 class LayeredScatter:
-    def __init__(self, num_layers: int, tail_block: int | None, stall_s: float = 0.0) -> None:
+    def __init__(self, num_layers: int, tail_block: int | None, stall_s: float = 0.0,
+                 on_ready: Callable[[], None] = lambda: None) -> None:
         self.num_layers = num_layers
         self.tail_block = tail_block  # the local block this step also writes, if pulled
         self.ready = threading.Event()  # the forward may start
-        self._done = 0  # layers whose blocks are all in place
+        self.stolen = 0  # layers the forward's thread scattered itself
+        self._on_ready = on_ready  # the helper, once the forward may start (Placement.leave)
         self._cond = threading.Condition()
-        self._stall_s = stall_s  # tests: a slow scatter, so that a missing wait shows
+        self._next = 0  # the first layer nobody has claimed
+        self._done = [False] * num_layers  # layers whose blocks are all in place
+        # What a layer's scatter needs, once the bytes are here: the source, the layers, and
+        # the blocks as (at most) two runs of positions.
+        self._work: tuple[torch.Tensor, list[torch.Tensor],
+                          list[tuple[int, int, list[int]]]] | None = None
+        self._error: BaseException | None = None
+        self._stall_s = stall_s  # tests: a slow helper, so that a missing wait shows
 
     def __call__(self, src: torch.Tensor, kv_caches: dict[str, torch.Tensor],
                  block_ids: list[int]) -> None:
-        """`blocks.scatter`, in the order the forward needs it (runs on the helper thread)."""
+        """`blocks.scatter`, in the order the forward needs it (runs on the helper thread,
+        returns once every layer is in place and nobody reads `src` any more)."""
         n = len(block_ids)
         at = block_ids.index(self.tail_block) if self.tail_block in block_ids else n
         if at < n:
             blocks.scatter(src[:, at:at + 1], kv_caches, [self.tail_block])
+        # Views of the staging buffer, not copies of it (the tail block is normally the last).
+        runs = [(lo, hi, block_ids[lo:hi]) for lo, hi in ((0, at), (at + 1, n)) if lo < hi]
+        self._work = (src, list(kv_caches.values()), runs)
         self.ready.set()
-        # The other blocks as (at most) two runs of positions: views of the staging buffer,
-        # not copies of it (the tail block is normally the last one pulled).
-        runs = [(lo, hi) for lo, hi in ((0, at), (at + 1, n)) if lo < hi]
-        for i, layer in enumerate(kv_caches.values()):
+        self._on_ready()
+        while (i := self._claim(self.num_layers - 1)) is not None:
             if self._stall_s:
                 time.sleep(self._stall_s)
-            for lo, hi in runs:
-                blocks.scatter_layer(src[i, lo:hi], layer, block_ids[lo:hi])
-            with self._cond:
-                self._done = i + 1
-                self._cond.notify_all()
+            self._scatter(i)
+        with self._cond:
+            self._cond.wait_for(lambda: all(self._done))  # the forward's own layers too
+        self._work = None  # no view of a shared segment outlives the load
+        if self._error is not None:
+            raise self._error
+
+    def wait_layer(self, index: int) -> None:
+        """The forward's thread, before layer `index`'s attention: back once its blocks are in
+        place, scattering them (and any layer before it nobody has claimed) itself if need be."""
+        while (i := self._claim(index)) is not None:
+            self.stolen += 1
+            self._scatter(i)
+        with self._cond:
+            self._cond.wait_for(lambda: self._done[index])
 
     def finish(self) -> None:
         """The load is over, scattered or failed: nothing may wait for it any more."""
         with self._cond:
-            self._done = self.num_layers
+            self._next = self.num_layers
+            self._done = [True] * self.num_layers
             self._cond.notify_all()
         self.ready.set()
 
-    def wait_layer(self, index: int) -> None:
+    def _claim(self, upto: int) -> int | None:
+        """The next unclaimed layer, if it is at most `upto` and the bytes are here."""
         with self._cond:
-            self._cond.wait_for(lambda: self._done > index)
+            if self._work is None or self._next > upto:
+                return None
+            self._next += 1
+            return self._next - 1
 
-
-def leave_engine_cores() -> None:
-    """Move the calling thread off the cores it inherited from the engine's thread (bound to
-    the engine's own cores), onto the host's others: beside the forward pass, not under it. A
-    thread left on the engine's core would only take turns with the forward. It may land on
-    another engine's core: a few milliseconds of copying per hand-off (the same work `sync` does
-    on the engine's own core). No-op where the engine holds every core."""
-    own = os.sched_getaffinity(0)
-    others = set(range(os.cpu_count() or 1)) - own
-    if others:
+    def _scatter(self, i: int) -> None:
+        error = None
         try:
-            os.sched_setaffinity(0, others)  # 0: this thread (Linux keeps affinity per thread)
-        except OSError:
-            pass  # none of them is ours to use (a cpuset): stay
+            assert self._work is not None  # cleared only once every layer is done
+            src, layers, runs = self._work
+            for lo, hi, ids in runs:
+                blocks.scatter_layer(src[i, lo:hi], layers[i], ids)
+        except BaseException as e:  # raised by the helper: the load fails, nobody waits
+            error = e
+        with self._cond:
+            self._error = self._error or error
+            self._done[i] = True
+            self._cond.notify_all()
+
+
+class Placement:
+    """Where the helper runs: on the engine thread's cores while that thread waits for it (the
+    pull's round trip, the tail block), on the host's other cores while the forward runs. A
+    helper left on the engine's core would only take turns with the forward; one sent aside
+    before `ready` would wait for a core another engine keeps busy while the engine's own sits
+    idle. Made on the engine's thread (its affinity is the engine's cores). Aside, the helper may
+    land on another engine's core: a few milliseconds of copying per hand-off, or none when the
+    forward takes the layers first. No-op where the engine holds every core."""
+
+    def __init__(self) -> None:
+        self.engine = os.sched_getaffinity(0)  # 0: this thread (Linux keeps it per thread)
+        self.aside = set(range(os.cpu_count() or 1)) - self.engine
+
+    def join(self) -> None:
+        if self.aside:
+            _move(self.engine)
+
+    def leave(self) -> None:
+        if self.aside:
+            _move(self.aside)
+
+
+def _move(cores: set[int]) -> None:
+    try:
+        os.sched_setaffinity(0, cores)
+    except OSError:
+        pass  # none of them is ours to use (a cpuset): stay

@@ -35,7 +35,8 @@ class ConnectorSettings:
     # really travels). Off unless a deployment turns it on, so clients cannot use it.
     allow_fault_injection: bool = False
     stall_before_send_s: float = 0.0  # producer: pause mid-transfer (tests kill it there)
-    layer_stall_s: float = 0.0  # consumer: pause before each layer of a layered scatter (tests)
+    # consumer: the layered helper pauses in each layer it takes (tests: a slow helper)
+    layer_stall_s: float = 0.0
     # producer: "copy" copies held blocks out and frees them at once, "blocks" keeps vLLM's
     # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
     # (device memory is the scarce thing there).
