@@ -11,7 +11,9 @@ The cache is shaped like Llama-3-8B's (32 layers, 8 KV heads, head size 128), bf
 memory order vLLM uses on the device: LBHNC (contiguous) on CPU with 128-token blocks, LBNHC
 (a strided view, FlashAttention's default) on GPU with 16-token blocks. A request's blocks are
 a random choice among twice as many, so the copies see scattered block ids as in a busy engine.
-Every gather and scatter is checked bit-exact once before it is timed.
+Every gather and scatter is checked bit-exact once before it is timed. On a GPU with Triton
+each size is measured both ways (`path`): the one-launch kernel that is the default there
+(splitserve/kv/block_kernel.py) and the copies by layer; elsewhere by layer only.
 
 Columns, GB/s = bytes / seconds / 1e9, each the median of `repeats` timed copies:
   copy_gbps     the plain device copy of the request's bytes (the ceiling)
@@ -25,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import time
@@ -34,7 +37,7 @@ from pathlib import Path
 import torch
 
 from bench.host import machine
-from splitserve.kv import blocks
+from splitserve.kv import block_kernel, blocks
 
 LAYERS, KV_HEADS, HEAD_SIZE = 32, 8, 128
 COLUMNS = ("copy_gbps", "gather_gbps", "scatter_gbps", "gather_vs_copy", "scatter_vs_copy")
@@ -74,6 +77,11 @@ def timed(fn: Callable[[], object], device: torch.device, repeats: int) -> float
     return statistics.median(times)
 
 
+def memory_order(layer: torch.Tensor) -> torch.Tensor:
+    """The layer with its dimensions in memory order (a block's bytes as they lie)."""
+    return layer.permute(*sorted(range(layer.dim()), key=lambda d: -layer.stride(d)))
+
+
 def measure(tokens: int, device: torch.device, repeats: int, strided: bool,
             seed: int = 0) -> dict[str, float]:
     block_size = 16 if strided else 128
@@ -88,7 +96,8 @@ def measure(tokens: int, device: torch.device, repeats: int, strided: bool,
     blocks.gather(kv, ids, staging)  # bit-exact check: every layer's blocks, in order
     for i, layer in enumerate(kv.values()):  # as integers: random bits include NaNs
         assert torch.equal(staging[i].view(torch.int16).reshape(n, -1),
-                           layer[ids].view(torch.int16).reshape(n, -1)), "gather not bit-exact"
+                           memory_order(layer)[ids].view(torch.int16).reshape(n, -1)), \
+            "gather not bit-exact"
     back = {k: torch.zeros_like(v) for k, v in kv.items()}
     blocks.scatter(staging, back, ids)
     for k in kv:
@@ -107,10 +116,10 @@ def measure(tokens: int, device: torch.device, repeats: int, strided: bool,
     return row
 
 
-def table(rows: list[dict[str, float]]) -> str:
-    lines = [f"{'tokens':>7} {'MiB':>8}" + "".join(f"{c:>17}" for c in COLUMNS)]
-    lines += [f"{r['tokens']:>7} {r['mib']:>8.1f}" + "".join(f"{r[c]:>17.2f}" for c in COLUMNS)
-              for r in rows]
+def table(rows: list[dict]) -> str:
+    lines = [f"{'path':>10} {'tokens':>7} {'MiB':>8}" + "".join(f"{c:>17}" for c in COLUMNS)]
+    lines += [f"{r['path']:>10} {r['tokens']:>7} {r['mib']:>8.1f}"
+              + "".join(f"{r[c]:>17.2f}" for c in COLUMNS) for r in rows]
     return "\n".join(lines)
 
 
@@ -129,7 +138,14 @@ def main() -> None:
         ap.error("--tokens and --repeats must be positive")
     device = torch.device(a.device)
     strided = a.layout == "strided" or (a.layout == "auto" and device.type == "cuda")
-    rows = [measure(t, device, a.repeats, strided) for t in tokens]
+    # On a GPU with Triton, every size both ways: the one-launch kernel (the default there)
+    # and the copies by layer it replaced (block_kernel.py).
+    paths = ["one launch", "by layer"] if device.type == "cuda" and block_kernel.available() \
+        else ["by layer"]
+    rows = []
+    for path in paths:
+        os.environ["SPLITSERVE_KV_ONE_LAUNCH"] = "1" if path == "one launch" else "0"
+        rows += [{"path": path, **measure(t, device, a.repeats, strided)} for t in tokens]
     where = torch.cuda.get_device_name(device) if device.type == "cuda" else machine()["cpu"]
     print(f"{where}; {LAYERS} layers x {KV_HEADS} KV heads x head {HEAD_SIZE}, bf16, "
           f"{'strided (LBNHC)' if strided else 'contiguous (LBHNC)'}; GB/s = 1e9 B/s")

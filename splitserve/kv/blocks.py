@@ -2,18 +2,22 @@
 
 In vLLM 0.32 every attention backend hands the connector one tensor per layer whose logical
 shape is [num_blocks, num_kv_heads, block_size, C] — the block dimension is dim 0 on CPU (layout
-LBHNC, contiguous) and on GPU (default LBNHC, a strided view) alike. The CPU kernels reinterpret
-the inside of a block ([H, N, 2D] as [H, 2N, D]), so we never look inside: whole blocks move as
-bytes, and both sides must agree on the layout (spec.py checks it).
+LBHNC, contiguous) and on GPU (default LBNHC, a strided view) alike, and in both one block is one
+dense range of memory. The CPU kernels reinterpret the inside of a block ([H, N, 2D] as
+[H, 2N, D]), so we never look inside: a block moves as its bytes in memory order, and both sides
+must agree on the layout (spec.py checks it).
 
-Staging layout: [num_layers, num_blocks, H, N, row] of raw words (int64, or bytes when a row is
-not a multiple of 8 bytes), sent as a uint8 buffer, so fp8 and bf16 caches travel bit-exact over
-backends (gloo) that do not know those dtypes.
+Staging layout: [num_layers, num_blocks, words] — each block's bytes as raw words (int64, or
+bytes when a row is not a multiple of 8 bytes), sent as a uint8 buffer, so fp8 and bf16 caches
+travel bit-exact over backends (gloo) that do not know those dtypes. On a GPU with Triton the
+copies of all layers are one launch (block_kernel.py); elsewhere one index copy per layer.
 """
 
 from __future__ import annotations
 
 import torch
+
+from splitserve.kv import block_kernel
 
 
 def _words(layer: torch.Tensor) -> torch.Tensor:
@@ -24,6 +28,20 @@ def _words(layer: torch.Tensor) -> torch.Tensor:
     return layer.view(torch.int64 if row_bytes % 8 == 0 else torch.uint8)
 
 
+def _blocks(layer: torch.Tensor) -> torch.Tensor:
+    """The layer as [num_blocks, words]: row b is block b's bytes in memory order."""
+    w = _words(layer)
+    span = 1
+    for stride, size in sorted((w.stride(d), w.shape[d]) for d in range(1, w.dim())):
+        if size > 1 and stride != span:
+            raise ValueError(f"a KV block of shape {tuple(layer.shape[1:])} with strides "
+                             f"{layer.stride()[1:]} is not one dense range of memory")
+        span *= size
+    if w.shape[0] > 1 and w.stride(0) < span:
+        raise ValueError(f"KV blocks overlap: {span} words each, {w.stride(0)} apart")
+    return w.as_strided((w.shape[0], span), (w.stride(0), 1))
+
+
 def staging_bytes(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> int:
     first = next(iter(kv_caches.values()))
     return len(kv_caches) * num_blocks * first[0].numel() * first.element_size()
@@ -31,29 +49,48 @@ def staging_bytes(kv_caches: dict[str, torch.Tensor], num_blocks: int) -> int:
 
 def staging_view(raw: torch.Tensor, kv_caches: dict[str, torch.Tensor],
                  num_blocks: int) -> torch.Tensor:
-    """View a flat uint8 buffer as [L, num_blocks, H, N, words], matching `_words`."""
+    """View a flat uint8 buffer as [L, num_blocks, words], matching `_blocks`."""
     first = _words(next(iter(kv_caches.values())))
-    return raw.view(first.dtype).view(len(kv_caches), num_blocks, *first.shape[1:])
+    return raw.view(first.dtype).view(len(kv_caches), num_blocks, first[0].numel())
+
+
+def _ids(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    if device.type != "cuda":
+        return torch.tensor(block_ids, dtype=torch.long)
+    # From pinned memory, without waiting: a copy from pageable memory would make the host
+    # wait for the device at every gather (the caching allocator keeps the pinned buffer
+    # until the copy has run).
+    return torch.tensor(block_ids, dtype=torch.long, pin_memory=True).to(device,
+                                                                          non_blocking=True)
+
+
+def _one_launch(layers: list[torch.Tensor]) -> bool:
+    return layers[0].is_cuda and block_kernel.available()
 
 
 def gather(kv_caches: dict[str, torch.Tensor], block_ids: list[int], out: torch.Tensor) -> None:
     """Copy `block_ids` of every layer into `out` (a staging_view)."""
-    first = next(iter(kv_caches.values()))
-    idx = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-    for i, layer in enumerate(kv_caches.values()):
-        torch.index_select(_words(layer), 0, idx, out=out[i])
+    layers = [_blocks(t) for t in kv_caches.values()]
+    idx = _ids(block_ids, layers[0].device)
+    if _one_launch(layers):
+        block_kernel.copy(layers, idx, out, to_staging=True)
+        return
+    for i, layer in enumerate(layers):
+        torch.index_select(layer, 0, idx, out=out[i])
 
 
 def scatter(src: torch.Tensor, kv_caches: dict[str, torch.Tensor], block_ids: list[int]) -> None:
     """Write `src` (a staging_view) into `block_ids` of every layer."""
-    first = next(iter(kv_caches.values()))
-    idx = torch.tensor(block_ids, dtype=torch.long, device=first.device)
-    for i, layer in enumerate(kv_caches.values()):
-        _words(layer).index_copy_(0, idx, src[i])
+    layers = [_blocks(t) for t in kv_caches.values()]
+    idx = _ids(block_ids, layers[0].device)
+    if _one_launch(layers) and src.is_contiguous():
+        block_kernel.copy(layers, idx, src, to_staging=False)
+        return
+    for i, layer in enumerate(layers):
+        layer.index_copy_(0, idx, src[i])
 
 
 def scatter_layer(src: torch.Tensor, layer: torch.Tensor, block_ids: list[int]) -> None:
     """Write one layer's part of a staging view (`src[i]`) into `block_ids` of `layer`."""
     if block_ids:
-        idx = torch.tensor(block_ids, dtype=torch.long, device=layer.device)
-        _words(layer).index_copy_(0, idx, src)
+        _blocks(layer).index_copy_(0, _ids(block_ids, layer.device), src)

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, fields
 import torch
 
 # 2: `cache_dtype` joined the spec (fp8 caches are uint8 tensors whatever their format).
-PROTOCOL_VERSION = 2
+# 3: a block travels as its bytes in memory order (it went in the view's logical order, which
+#    differs on GPU layouts: blocks.py).
+PROTOCOL_VERSION = 3
 
 
 @dataclass(frozen=True)
