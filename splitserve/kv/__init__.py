@@ -6,6 +6,8 @@ Modules, in the order a transfer touches them:
   consumer.py      decode side, worker process: pulls blocks into freshly allocated block ids.
   spec.py          what both sides must agree on (checked at handshake).
   blocks.py        gather/scatter of whole blocks between the paged cache and a staging buffer.
+  block_kernel.py  the same in one launch for every layer (CUDA, Triton).
+  layered.py       a decode step's scatter beside the forward pass that reads it (opt-in).
   pair_channel.py  one 2-rank gloo/NCCL process group per (producer, consumer) pair.
   wire.py          side-channel framing and peer authentication.
   stats.py         per-transfer bytes/seconds/failures, shipped to the API process via vLLM.

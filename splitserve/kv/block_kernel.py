@@ -14,6 +14,7 @@ needs a GPU: bench/kv_blocks.py measures both paths on whatever device is presen
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
 
@@ -74,5 +75,8 @@ def copy(layers: list[torch.Tensor], ids: torch.Tensor, staging: torch.Tensor,
     assert staging.is_contiguous() and staging.shape == (len(layers), ids.numel(), words)
     table = _table(tuple(t.data_ptr() for t in layers), first.device)
     grid = (len(layers), ids.numel(), triton.cdiv(words, TILE))
-    _kernel()[grid](table, ids, staging, ids.numel(), block_stride, words,
-                    TO_STAGING=to_staging, TILE=TILE)
+    # Triton launches on the calling thread's current device, and a transfer pool's thread
+    # starts on device 0: name the cache's (a no-op for the interpreter's CPU tensors).
+    with torch.cuda.device(first.device) if first.is_cuda else contextlib.nullcontext():
+        _kernel()[grid](table, ids, staging, ids.numel(), block_stride, words,
+                        TO_STAGING=to_staging, TILE=TILE)
