@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 
 from splitserve.kv import blocks
-from splitserve.kv.layered import LayeredScatter, Placement
+from splitserve.kv.layered import LayeredScatter, leave_engine_cores
 from splitserve.kv.link import Link
 from splitserve.kv.pair_channel import CONSUMER_RANK, PairChannel, TransferError, connect_store
 from splitserve.kv.settings import ConnectorSettings
@@ -133,8 +133,8 @@ class Consumer:
         self._spec: KVSpec | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-pull")
         # Layered in-step loads (one per step at most), beside the engine's forward pass.
-        self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-layered")
-        self._placement: Placement | None = None  # the first layered load's, on the engine
+        self._beside = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kv-layered",
+                                          initializer=leave_engine_cores)
         self._peers: dict[tuple[str, int], _Peer] = {}
         self._peers_lock = threading.Lock()  # guards the dict only, never held across I/O
         self._results: list[LoadResult] = []
@@ -168,13 +168,9 @@ class Consumer:
         forward's `wait_layer`); returns once the forward pass may start (`ready`). The future's
         result is the load's error, or None: join it after the forward, before vLLM reads the
         step's output."""
-        if self._placement is None:
-            self._placement = Placement()  # on the engine's thread: its cores
-        place = self._placement
-        layered = LayeredScatter(len(self._kv), job.tail_block, stall_s, on_ready=place.leave)
+        layered = LayeredScatter(len(self._kv), job.tail_block, stall_s)
 
         def run() -> str | None:
-            place.join()  # the engine's thread waits for us until `ready`: its core is idle
             try:
                 return self._load(job, layered)
             finally:

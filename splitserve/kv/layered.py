@@ -14,17 +14,16 @@ it. So that block goes first, for every layer, and only then may the forward sta
 Full blocks are never written by the step: prefix caching shares only full blocks, and the new
 tokens go into the partial block or into fresh ones that are not part of the pull.
 
-Lifecycle: the engine thread starts the load on the helper and waits for `ready` (the pull's
-round trip and the tail block). Meanwhile the engine's core is idle, so the helper does that
-part there (`Placement.join`); then it moves to the host's other cores (`Placement.leave`) and
-scatters the layers in order while the forward runs. A layer is scattered by whoever claims it
-first: the forward, reaching a layer the helper has not claimed, scatters it itself, so a helper
-kept off the cores by other work costs no more than `sync` would. After the forward the engine
-thread joins the helper, which waits for every layer (its own and those the forward took) before
-it tells the producer "read". The helper always calls `finish`, failed or not, so no wait
-outlives the load: a load that failed reports its blocks as not loaded after the forward, as an
-in-step load always has, and vLLM discards that step's token for the request and recomputes (or
-fails it, by policy).
+Lifecycle: the engine thread starts the load on the helper, a thread on the host's other cores
+(`leave_engine_cores`), and waits for `ready` (the pull's round trip and the tail block); then
+the helper scatters the layers in order while the forward runs. A layer is scattered by whoever
+claims it first: the forward, reaching a layer the helper has not claimed, scatters it itself,
+so a helper kept off the cores by other work costs no more than `sync` would. After the forward
+the engine thread joins the helper, which waits for every layer (its own and those the forward
+took) before it tells the producer "read". The helper always calls `finish`, failed or not, so
+no wait outlives the load: a load that failed reports its blocks as not loaded after the
+forward, as an in-step load always has, and vLLM discards that step's token for the request and
+recomputes (or fails it, by policy).
 """
 
 from __future__ import annotations
@@ -46,7 +45,7 @@ class LayeredScatter:
         self.tail_block = tail_block  # the local block this step also writes, if pulled
         self.ready = threading.Event()  # the forward may start
         self.stolen = 0  # layers the forward's thread scattered itself
-        self._on_ready = on_ready  # the helper, once the forward may start (Placement.leave)
+        self._on_ready = on_ready  # on the helper once the forward may start (tests: hold it)
         self._cond = threading.Condition()
         self._next = 0  # the first layer nobody has claimed
         self._done = [False] * num_layers  # layers whose blocks are all in place
@@ -120,30 +119,22 @@ class LayeredScatter:
             self._cond.notify_all()
 
 
-class Placement:
-    """Where the helper runs: on the engine thread's cores while that thread waits for it (the
-    pull's round trip, the tail block), on the host's other cores while the forward runs. A
-    helper left on the engine's core would only take turns with the forward; one sent aside
-    before `ready` would wait for a core another engine keeps busy while the engine's own sits
-    idle. Made on the engine's thread (its affinity is the engine's cores). Aside, the helper may
-    land on another engine's core: a few milliseconds of copying per hand-off, or none when the
-    forward takes the layers first. No-op where the engine holds every core."""
+def leave_engine_cores() -> None:
+    """Move the calling thread off the cores it inherited from the engine's thread (bound to
+    the engine's own cores), onto the host's others: beside the forward pass, not under it. A
+    thread left on the engine's core would only take turns with the forward. It may land on
+    another engine's core: a few milliseconds of copying per hand-off, or none when the forward
+    takes the layers first. No-op where the engine holds every core.
 
-    def __init__(self) -> None:
-        self.engine = os.sched_getaffinity(0)  # 0: this thread (Linux keeps it per thread)
-        self.aside = set(range(os.cpu_count() or 1)) - self.engine
-
-    def join(self) -> None:
-        if self.aside:
-            _move(self.engine)
-
-    def leave(self) -> None:
-        if self.aside:
-            _move(self.aside)
-
-
-def _move(cores: set[int]) -> None:
-    try:
-        os.sched_setaffinity(0, cores)
-    except OSError:
-        pass  # none of them is ours to use (a cpuset): stay
+    Tried and dropped (2026-12-07): moving the helper onto the engine's core for the pull's
+    round trip (the engine's thread waits for it then) and aside only for the layers. Every
+    decode step got slower, not only the loading ones (bench model, p50 34-40 -> 37-48 ms in
+    five runs against `sync`, where this placement left them as they were): docs/benchmarks.md,
+    "KV hand-off"."""
+    own = os.sched_getaffinity(0)
+    others = set(range(os.cpu_count() or 1)) - own
+    if others:
+        try:
+            os.sched_setaffinity(0, others)  # 0: this thread (Linux keeps affinity per thread)
+        except OSError:
+            pass  # none of them is ours to use (a cpuset): stay
