@@ -56,7 +56,8 @@ class ConnectorSettings:
     # "async" pulls beside the engine's steps and schedules the request once the KV has landed
     # (a step or two later; a slow producer delays nobody else). docs/benchmarks.md, "KV
     # hand-off", has the measurements behind the default: "layered" shortens the hand-off at
-    # low load but cost TPOT under load (its helper waits for a core that is busy then).
+    # low load; it cost TPOT under load on a Xeon before the forward took the layers its helper
+    # had not reached, and has not been rechecked there since (on an AMD EPYC: no cost).
     load: str = "sync"
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
     status_file: str | None = None
