@@ -8,7 +8,7 @@ in, and program (layer, block, tile) copies one tile of one block as raw words, 
 dtype (fp8 too) moves bit-exact. A block is one dense range of memory in vLLM's layouts
 (blocks.py checks that), so a tile is a plain coalesced copy.
 
-Tested on CPU tensors through Triton's interpreter (tests/kv/test_block_kernel.py); the speed
+Tested on CPU tensors through Triton's interpreter (tests/kv/test_blocks.py); the speed
 needs a GPU: bench/kv_blocks.py measures both paths on whatever device is present.
 """
 
