@@ -66,7 +66,7 @@ def copy(layers: list[torch.Tensor], ids: torch.Tensor, staging: torch.Tensor,
          to_staging: bool) -> None:
     """Move blocks `ids` of every layer to (or from) `staging`, in one launch.
 
-    layers: [num_blocks, words] views, one per layer (blocks._blocks), all alike;
+    layers: [num_blocks, words] views, one per layer (blocks.layer_blocks), all alike;
     ids: the block ids on the layers' device; staging: [num_layers, len(ids), words], dense."""
     first = layers[0]
     block_stride, words = first.stride(0), first.shape[1]

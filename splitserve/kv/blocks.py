@@ -54,7 +54,13 @@ def staging_view(raw: torch.Tensor, kv_caches: dict[str, torch.Tensor],
     return raw.view(first.dtype).view(len(kv_caches), num_blocks, first[0].numel())
 
 
-def _ids(block_ids: list[int], device: torch.device) -> torch.Tensor:
+def layer_blocks(kv_caches: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+    """Every layer as [num_blocks, words] (what `scatter_layer` writes into)."""
+    return [_blocks(t) for t in kv_caches.values()]
+
+
+def block_index(block_ids: list[int], device: torch.device) -> torch.Tensor:
+    """Block ids as an index on the cache's device (what `scatter_layer` takes)."""
     if device.type != "cuda":
         return torch.tensor(block_ids, dtype=torch.long)
     # From pinned memory, without waiting: a copy from pageable memory would make the host
@@ -70,8 +76,8 @@ def _one_launch(layers: list[torch.Tensor]) -> bool:
 
 def gather(kv_caches: dict[str, torch.Tensor], block_ids: list[int], out: torch.Tensor) -> None:
     """Copy `block_ids` of every layer into `out` (a staging_view)."""
-    layers = [_blocks(t) for t in kv_caches.values()]
-    idx = _ids(block_ids, layers[0].device)
+    layers = layer_blocks(kv_caches)
+    idx = block_index(block_ids, layers[0].device)
     if _one_launch(layers):
         block_kernel.copy(layers, idx, out, to_staging=True)
         return
@@ -81,8 +87,8 @@ def gather(kv_caches: dict[str, torch.Tensor], block_ids: list[int], out: torch.
 
 def scatter(src: torch.Tensor, kv_caches: dict[str, torch.Tensor], block_ids: list[int]) -> None:
     """Write `src` (a staging_view) into `block_ids` of every layer."""
-    layers = [_blocks(t) for t in kv_caches.values()]
-    idx = _ids(block_ids, layers[0].device)
+    layers = layer_blocks(kv_caches)
+    idx = block_index(block_ids, layers[0].device)
     if _one_launch(layers) and src.is_contiguous():
         block_kernel.copy(layers, idx, src, to_staging=False)
         return
@@ -90,7 +96,7 @@ def scatter(src: torch.Tensor, kv_caches: dict[str, torch.Tensor], block_ids: li
         layer.index_copy_(0, idx, src[i])
 
 
-def scatter_layer(src: torch.Tensor, layer: torch.Tensor, block_ids: list[int]) -> None:
-    """Write one layer's part of a staging view (`src[i]`) into `block_ids` of `layer`."""
-    if block_ids:
-        _blocks(layer).index_copy_(0, _ids(block_ids, layer.device), src)
+def scatter_layer(src: torch.Tensor, layer: torch.Tensor, idx: torch.Tensor) -> None:
+    """Write one layer's part of a staging view (`src[i]`) into blocks `idx` of `layer` (one of
+    `layer_blocks`; `idx` from `block_index`, made once for all layers)."""
+    layer.index_copy_(0, idx, src)

@@ -52,7 +52,7 @@ class LayeredScatter:
         # What a layer's scatter needs, once the bytes are here: the source, the layers, and
         # the blocks as (at most) two runs of positions.
         self._work: tuple[torch.Tensor, list[torch.Tensor],
-                          list[tuple[int, int, list[int]]]] | None = None
+                          list[tuple[int, int, torch.Tensor]]] | None = None
         self._error: BaseException | None = None
         self._stall_s = stall_s  # tests: a slow helper, so that a missing wait shows
 
@@ -64,9 +64,12 @@ class LayeredScatter:
         at = block_ids.index(self.tail_block) if self.tail_block in block_ids else n
         if at < n:
             blocks.scatter(src[:, at:at + 1], kv_caches, [self.tail_block])
-        # Views of the staging buffer, not copies of it (the tail block is normally the last).
-        runs = [(lo, hi, block_ids[lo:hi]) for lo, hi in ((0, at), (at + 1, n)) if lo < hi]
-        self._work = (src, list(kv_caches.values()), runs)
+        # Views of the staging buffer, not copies of it (the tail block is normally the last);
+        # the layers' block views and each run's index made once, not once a layer.
+        layers = blocks.layer_blocks(kv_caches)
+        runs = [(lo, hi, blocks.block_index(block_ids[lo:hi], src.device))
+                for lo, hi in ((0, at), (at + 1, n)) if lo < hi]
+        self._work = (src, layers, runs)
         self.ready.set()
         self._on_ready()
         while (i := self._claim(self.num_layers - 1)) is not None:
@@ -109,8 +112,8 @@ class LayeredScatter:
         try:
             assert self._work is not None  # cleared only once every layer is done
             src, layers, runs = self._work
-            for lo, hi, ids in runs:
-                blocks.scatter_layer(src[i, lo:hi], layers[i], ids)
+            for lo, hi, idx in runs:
+                blocks.scatter_layer(src[i, lo:hi], layers[i], idx)
         except BaseException as e:  # raised by the helper: the load fails, nobody waits
             error = e
         with self._cond:

@@ -63,15 +63,14 @@ KERNEL_CHECK = textwrap.dedent("""
     for strided in (False, True):
         for dtype in (torch.bfloat16, torch.float8_e4m3fn):
             kv, ids = caches(strided, dtype), [5, 1, 8, 2]
-            layers = [blocks._blocks(t) for t in kv.values()]
+            layers = blocks.layer_blocks(kv)
             idx = torch.tensor(ids)
             want = torch.stack([layer[idx] for layer in layers])  # the copies by layer
             staging = torch.zeros_like(want)
             block_kernel.copy(layers, idx, staging, to_staging=True)
             assert torch.equal(staging, want), (strided, dtype, "gather")
             back = {k: torch.zeros_like(v) for k, v in kv.items()}
-            block_kernel.copy([blocks._blocks(t) for t in back.values()], idx, staging,
-                              to_staging=False)
+            block_kernel.copy(blocks.layer_blocks(back), idx, staging, to_staging=False)
             for k in kv:
                 assert torch.equal(back[k][ids].view(torch.uint8), kv[k][ids].view(torch.uint8))
                 rest = [b for b in range(len(kv[k])) if b not in ids]

@@ -34,13 +34,13 @@ def filled(kv: dict[str, torch.Tensor], layer: int, block: int) -> bool:
 def gate_layers(monkeypatch, kv: dict[str, torch.Tensor]) -> list[threading.Semaphore]:
     """blocks.scatter_layer waits for its layer's gate: a permit a run (with the tail block in
     the middle of IDS a layer has two runs, without it one)."""
-    index = {id(t): i for i, t in enumerate(kv.values())}
+    index = {t.data_ptr(): i for i, t in enumerate(kv.values())}  # a layer's block view too
     gates = [threading.Semaphore(0) for _ in range(LAYERS)]
     real = blocks.scatter_layer
 
-    def gated(src_layer, layer, block_ids):
-        gates[index[id(layer)]].acquire()
-        real(src_layer, layer, block_ids)
+    def gated(src_layer, layer, idx):
+        gates[index[layer.data_ptr()]].acquire()
+        real(src_layer, layer, idx)
 
     monkeypatch.setattr(layered.blocks, "scatter_layer", gated)
     return gates
@@ -130,7 +130,7 @@ def test_a_failed_scatter_fails_the_load_and_releases_the_forward(monkeypatch) -
     kv = caches()
     src = staged(kv)
 
-    def broken(src_layer, layer, block_ids):
+    def broken(src_layer, layer, idx):
         raise RuntimeError("scatter broke")
 
     monkeypatch.setattr(layered.blocks, "scatter_layer", broken)
