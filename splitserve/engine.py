@@ -153,6 +153,28 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
     )
 
 
+# vLLM environment variables that silently replace one of our settings, and the setting each
+# replaces. vLLM's CPU platform takes VLLM_CPU_KVCACHE_SPACE (GiB) over the engine's explicit
+# `kv_cache_memory_bytes`, so a host where vLLM CPU users export it (as its docs tell them to)
+# got 4,096 blocks of a 1 GiB cache where `--kv-cache-mib` and `splitserve plan` said 512.
+OVERRIDING_ENV = {"VLLM_CPU_KVCACHE_SPACE": "kv_cache_mib"}
+
+
+def claim_environment(cfg: EngineConfig, environ: dict[str, str] | None = None) -> list[str]:
+    """Remove from `environ` (os.environ by default) every vLLM variable that would override one
+    of `cfg`'s settings in the engine's processes, which inherit it: our setting wins, and the
+    engine gets it explicitly (`engine_args`). Returns one line per variable removed, naming both
+    values, for the log."""
+    env = os.environ if environ is None else environ
+    said = []
+    for name, setting in OVERRIDING_ENV.items():
+        value = env.pop(name, None)
+        if value:
+            said.append(f"{name}={value} ignored: {setting}={getattr(cfg, setting)} is this "
+                        f"engine's setting (--{setting.replace('_', '-')})")
+    return said
+
+
 def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> AsyncLLM:
     """Start a vLLM AsyncLLM (its engine core runs in a spawned child process).
 
@@ -169,6 +191,8 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
     # The engine stops if we die, even by SIGKILL (splitserve/lifeline.py, as a vLLM plugin).
     os.environ[ENGINE_PARENT_ENV] = str(os.getpid())
+    for line in claim_environment(cfg):
+        log.warning("%s", line)
     if cfg.kv_settings.secret:  # not in vLLM's config, which it logs: its processes inherit this
         os.environ[KV_SECRET_ENV] = cfg.kv_settings.secret
     log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype,

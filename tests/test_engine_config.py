@@ -35,3 +35,16 @@ def test_auto_is_float32_for_a_checkpoint_stored_in_float32(tmp_path) -> None:
     assert concrete_dtype("auto", AMX, str(tmp_path)) == (
         "float32", "the checkpoint is stored in float32")
     assert concrete_dtype("bfloat16", AMX, str(tmp_path))[0] == "bfloat16"  # asked for
+
+
+def test_our_kv_cache_size_wins_over_vllms_environment() -> None:
+    """vLLM's CPU platform takes VLLM_CPU_KVCACHE_SPACE over an explicit KV cache size: the
+    variable is taken out of the environment the engine inherits, and the log names both."""
+    from splitserve.engine import EngineConfig, claim_environment
+
+    cfg = EngineConfig(model="m", kv_cache_mib=96)
+    env = {"VLLM_CPU_KVCACHE_SPACE": "4", "PATH": "/bin"}
+    (said,) = claim_environment(cfg, env)
+    assert env == {"PATH": "/bin"}
+    assert "VLLM_CPU_KVCACHE_SPACE=4" in said and "kv_cache_mib=96" in said
+    assert claim_environment(cfg, {"VLLM_CPU_KVCACHE_SPACE": ""}) == []  # unset as vLLM reads it

@@ -25,8 +25,11 @@ ROOT = Path(__file__).resolve().parents[2]
 
 class ProcCluster(ProcessSet):
     def __init__(self, model_dir: Path) -> None:
+        # VLLM_CPU_KVCACHE_SPACE as vLLM CPU users export it: every engine must still hold what
+        # --kv-cache-mib says (test_serving's memory-plan test fails if the variable wins).
         super().__init__(log_dir=Path(tempfile.mkdtemp(prefix="splitserve-e2e-")),
-                         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING"})
+                         env={**os.environ, "VLLM_LOGGING_LEVEL": "WARNING",
+                              "VLLM_CPU_KVCACHE_SPACE": "1"})
         self.model = str(model_dir)
         self.by_name: dict[str, Proc] = {}
         self._channels: list[grpc.Channel] = []
