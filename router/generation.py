@@ -59,9 +59,9 @@ class Admission:
 
     async def acquire(self) -> None:
         if self._slots.locked() and self.waiting >= self.max_queue:
-            raise RequestFailed(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                           f"overloaded: {self.running} running and {self.waiting} queued "
-                           f"(max_queue {self.max_queue}); retry later")
+            # Retry-After: a slot frees as often as a request ends; a second is a fair floor.
+            raise Overloaded(f"overloaded: {self.running} running and {self.waiting} queued "
+                             f"(max_queue {self.max_queue}); retry later", 1.0)
         self.waiting += 1
         try:
             await self._slots.acquire()
@@ -154,8 +154,9 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     self.stream(request, context.time_remaining(), trace)) as chunks:
                 async for chunk in chunks:
                     await emit(chunk)
+                    trace.sent(len(chunk.token_ids), chunk.HasField("finish_reason"))
         except RequestFailed as e:
-            trace.finish(e.outcome)
+            trace.failed(e)
             await context.abort(e.code, str(e), trailing_metadata=e.grpc_trailers()
                                 if isinstance(e, Overloaded) else ())
         except asyncio.CancelledError:
@@ -262,7 +263,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                         meter.answered(n_prompt)
                         mark = streams.first_token()
                     n_out += len(ev.token_ids)
-                    trace.tokens(len(ev.token_ids))
                     text = ""
                     if detok is not None:
                         text, stop_reason = stop.feed(detok.push(ev.token_ids))
@@ -279,8 +279,6 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                             chunk.text += stop.feed(detok.flush())[0] + stop.flush()
                         self._finish(chunk, finish, stop_reason, len(ids), n_out, queue_s,
                                      timings, t0)
-                    if finish is not None:
-                        trace.finish("finished")
                     yield chunk
                     if finish is not None:
                         break

@@ -24,6 +24,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from router.errors import InvalidArgument, RequestFailed
 from router.generation import GenerationService
 from router.ids import new_id
+from router.metrics import RequestTrace
 from router.slo import Overloaded
 from splitserve.credentials import matches
 from splitserve.v1 import common_pb2, generation_pb2
@@ -47,7 +48,7 @@ class ApiError(Exception):
 
 
 def build_app(service: GenerationService, registry: CollectorRegistry,
-              api_keys: tuple[str, ...] = ()) -> FastAPI:
+              api_keys: tuple[str, ...] = ()) -> _Arrival:
     # A dependency of the /v1 routes, not an HTTP middleware: Starlette's BaseHTTPMiddleware
     # relays a streaming body through a memory channel, which cost every request ~60 ms of TTFT.
     async def auth(request: Request) -> None:
@@ -114,7 +115,23 @@ def build_app(service: GenerationService, registry: CollectorRegistry,
         return await _run(service, request, req, body, chat=True)  # rendered in prepare()
 
     app.include_router(v1)
-    return app
+    return _Arrival(app)
+
+
+ARRIVAL = "splitserve.arrival"  # the ASGI scope's key for when the request reached the router
+
+
+class _Arrival:
+    """Stamps each request's scope with its arrival (time.perf_counter()) before the app runs:
+    the TTFT histogram starts there, not once the body is read and the handler runs. A plain
+    ASGI wrapper: Starlette's middleware classes cost streams a relay (see `build_app`)."""
+
+    def __init__(self, app: FastAPI) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[ARRIVAL] = time.perf_counter()
+        await self.app(scope, receive, send)
 
 
 # Request fields this front reads. Everything else a client sends is either a field that changes
@@ -228,7 +245,7 @@ async def _run(service: GenerationService, request: Request,
     if not isinstance(stream, bool) or not isinstance(body.get("stream_options") or {}, dict):
         raise ApiError(400, "stream must be true or false and stream_options an object",
                        "stream")
-    trace = service.metrics.trace()
+    trace = service.metrics.trace(request.scope.get(ARRIVAL))
     chunks = _guard(service.stream(req, timeout, trace), trace)
     # Errors before the first chunk become HTTP statuses.
     first = await _unless_gone(request, _first(chunks), chunks)
@@ -236,8 +253,8 @@ async def _run(service: GenerationService, request: Request,
     if stream:
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_sse(first, chunks, rid, created, service.served_model, chat,
-                                      usage), media_type="text/event-stream")
-    text, last = await _unless_gone(request, _collect(first, chunks), chunks)
+                                      usage, trace), media_type="text/event-stream")
+    text, last = await _unless_gone(request, _collect(first, chunks, trace), chunks)
     choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(last.finish_reason),
                               "logprobs": None}
     if chat:
@@ -251,11 +268,15 @@ async def _run(service: GenerationService, request: Request,
             "usage": _usage(last)}
 
 
-async def _collect(first, chunks: AsyncIterator) -> tuple[str, Any]:
+async def _collect(first, chunks: AsyncIterator, trace: RequestTrace) -> tuple[str, Any]:
+    """A non-streamed answer: its tokens count as they reach the router (the client gets them
+    all at once, at the end)."""
     text, last = first.text, first
+    trace.sent(len(first.token_ids), first.HasField("finish_reason"))
     async for c in chunks:
         text += c.text
         last = c
+        trace.sent(len(c.token_ids), c.HasField("finish_reason"))
     return text, last
 
 
@@ -302,15 +323,21 @@ async def _guard(chunks: AsyncIterator, trace) -> AsyncIterator:
         raise ApiError(status, str(e), e.field.removeprefix("sampling."),
                        code="model_not_found" if status == 404 else None) from e
     except RequestFailed as e:
-        trace.finish(e.outcome)
+        trace.failed(e)
         raise ApiError(e.http_status, str(e), kind="invalid_request_error"
                        if e.http_status == 400 else "server_error",
-                       headers=e.http_headers() if isinstance(e, Overloaded) else None) from e
+                       headers=e.http_headers() if isinstance(e, Overloaded)
+                       else RETRY_UNAVAILABLE if e.http_status == 503 else None) from e
     except (asyncio.CancelledError, GeneratorExit):
         trace.finish("cancelled")  # the HTTP client went away
         raise
     finally:
         trace.finish("error")
+
+
+# A 503 (no worker for the request, or draining) asks clients to come back, as a 429 does:
+# workers (re)join within a heartbeat or two.
+RETRY_UNAVAILABLE = {"Retry-After": "1"}
 
 
 async def _first(chunks: AsyncIterator):
@@ -321,7 +348,9 @@ async def _first(chunks: AsyncIterator):
 
 
 async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str, chat: bool,
-               include_usage: bool) -> AsyncIterator[str]:
+               include_usage: bool, trace: RequestTrace) -> AsyncIterator[str]:
+    """The stream's server-sent events. Starlette resumes this generator only once it has
+    written the previous event to the connection: that is where each chunk counts as sent."""
     obj = "chat.completion.chunk" if chat else "text_completion"
     last = first
     if chat:  # the role comes first, as OpenAI does
@@ -347,9 +376,11 @@ async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str,
 
     try:
         yield token_event(first)
+        trace.sent(len(first.token_ids), first.HasField("finish_reason"))
         async for c in chunks:
             last = c
             yield token_event(c)
+            trace.sent(len(c.token_ids), c.HasField("finish_reason"))
     except ApiError as e:  # mid-stream: headers are sent, so the error goes in the stream
         yield _event({"error": {"message": str(e), "type": e.kind, "code": e.status}})
         return

@@ -28,6 +28,7 @@ from grpc_reflection.v1alpha import reflection
 from prometheus_client import CollectorRegistry
 
 from router.config import RouterConfig
+from router.connections import KEEP_ALIVE_S, ConnectionMetrics, counting_protocol
 from router.errors import RequestFailed
 from router.generation import GenerationService
 from router.http import build_app
@@ -101,7 +102,9 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
         app = build_app(service, metrics_registry, cfg.api_keys)
         tls = {} if cfg.tls is None else {"ssl_certfile": cfg.tls.cert,
                                           "ssl_keyfile": cfg.tls.key}
+        protocol = counting_protocol(ConnectionMetrics(metrics_registry, served))
         http = _QuietServer(uvicorn.Config(app, log_level="warning", lifespan="off",
+                                           http=protocol, timeout_keep_alive=KEEP_ALIVE_S,
                                            timeout_graceful_shutdown=cfg.drain_timeout_s, **tls))
         http_task = asyncio.ensure_future(http.serve(sockets=[sock]))
     print(f"[splitserve] router: gRPC on {address}"

@@ -244,3 +244,107 @@ def test_readme_curl_and_openai_examples_work_as_written(cl: ProcCluster) -> Non
     out = subprocess.run([sys.executable, "-c", here(py)], capture_output=True, text=True,
                          timeout=60)
     assert out.returncode == 0 and out.stdout.strip(), out.stderr[-2000:]
+
+
+def _closed(url: str) -> dict[tuple[str, str], float]:
+    return {(re.search(r'by="(\w+)"', k)[1], re.search(r'reason="(\w+)"', k)[1]): v
+            for k, v in _scrape(url + "/metrics").items()
+            if k.startswith("splitserve:http_connections_closed_total")}
+
+
+@pytest.mark.parametrize("router", ["B", "O"])
+def test_a_burst_of_32_connections_each_gets_an_answer_or_a_refusal(cl: ProcCluster,
+                                                                    router: str) -> None:
+    """32 clients connect at once (AIPerf's burst at concurrency 32): each gets its whole stream
+    or a 429/503 with Retry-After, none a closed connection. B: 1P1D, room for all of them;
+    O: one slot and a one-deep queue, so most are refused."""
+    import asyncio
+
+    url = cl.by_name[router].endpoints["http"]
+    before = _closed(url)
+
+    async def one(client: httpx.AsyncClient, go: asyncio.Event, i: int) -> tuple[int, str]:
+        await go.wait()
+        body = {"model": _name(cl), "stream": True, "max_tokens": 4, "temperature": 0,
+                "messages": [{"role": "user", "content": f"{PROMPT} {i}"}]}
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as r:
+            text = "".join([line async for line in r.aiter_lines()])
+            if r.status_code in (429, 503):
+                assert "retry-after" in r.headers, r.headers
+            return r.status_code, text
+
+    async def burst() -> list[tuple[int, str]]:
+        limits = httpx.Limits(max_connections=32, max_keepalive_connections=32)
+        async with httpx.AsyncClient(timeout=120, limits=limits) as client:
+            go = asyncio.Event()
+            tasks = [asyncio.ensure_future(one(client, go, i)) for i in range(32)]
+            await asyncio.sleep(0)  # every task waits at the gate, then all go at once
+            go.set()
+            return await asyncio.gather(*tasks)
+
+    got = asyncio.run(burst())
+    statuses = [s for s, _ in got]
+    assert set(statuses) <= {200, 429, 503}, statuses
+    for s, text in got:
+        if s == 200:
+            assert text.endswith("data: [DONE]"), text[-200:]
+    if router == "B":
+        assert statuses == [200] * 32
+    else:
+        assert statuses.count(200) >= 2 and 429 in statuses  # the slot, the queue, refusals
+    after = _closed(url)
+    assert all(after.get(k, 0) == before.get(k, 0) for k in after if k[0] == "server"), after
+    # Closed by the clients: the burst's 32 and the first scrape's own connection, at most.
+    assert sum(after.values()) - sum(before.values()) <= 33
+
+
+def test_ttft_counts_from_arrival_not_from_the_read_body(cl: ProcCluster) -> None:
+    """The router's TTFT starts when a request's headers arrive, not when its handler has the
+    body: a client whose body comes 1 s after its headers waited 1 s more for its first token."""
+    import socket
+
+    url = cl.by_name["B"].endpoints["http"]
+    host, port = url.removeprefix("http://").split(":")
+    name = "splitserve:time_to_first_token_seconds_sum"
+    before = sum(v for k, v in _scrape(url + "/metrics").items() if k.startswith(name))
+    body = json.dumps({"model": _name(cl), "prompt": PROMPT, "max_tokens": 2, "stream": True,
+                       "temperature": 0}).encode()
+    with socket.create_connection((host, int(port)), timeout=60) as s:
+        s.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json"
+                  b"\r\nContent-Length: %d\r\n\r\n" % len(body))
+        time.sleep(1.0)
+        s.sendall(body)
+        answer = b""
+        while b"[DONE]" not in answer:
+            chunk = s.recv(65536)
+            assert chunk, answer
+            answer += chunk
+    after = sum(v for k, v in _scrape(url + "/metrics").items() if k.startswith(name))
+    assert after - before >= 1.0, f"TTFT {after - before:.3f} s for a request 1 s in the making"
+
+
+def test_connections_closed_are_counted_by_side_and_reason(cl: ProcCluster) -> None:
+    """A malformed request: the server answers 400 and closes (server, bad_request); a client
+    that leaves mid-stream (client, mid_request)."""
+    import socket
+
+    url = cl.by_name["B"].endpoints["http"]
+    host, port = url.removeprefix("http://").split(":")
+    before = _closed(url)
+    with socket.create_connection((host, int(port)), timeout=30) as s:
+        s.sendall(b"NOT HTTP AT ALL\r\n\r\n")
+        assert s.recv(4096).startswith(b"HTTP/1.1 400")
+    body = {"model": _name(cl), "prompt": PROMPT, "max_tokens": 64, "stream": True,
+            "temperature": 0, "ignore_eos": True}
+    with httpx.Client(timeout=60) as client:
+        with client.stream("POST", url + "/v1/completions", json=body) as r:
+            next(r.iter_lines())  # the first event, then leave
+    deadline = time.monotonic() + 10
+    while True:
+        after = _closed(url)
+        moved = {k: after.get(k, 0) - before.get(k, 0) for k in after}
+        if moved.get(("client", "mid_request")) == 1 or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert moved[("server", "bad_request")] == 1, moved
+    assert moved[("client", "mid_request")] == 1, moved
