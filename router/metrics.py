@@ -7,8 +7,8 @@ once, so counters move by exactly one per request whatever path it ended on.
 The latencies are what clients see: a request arrives when its front first holds it (the ASGI
 call, before the body is read; the gRPC handler), and a token counts when its bytes have been
 handed to the client's connection (`sent`, called by the front after each write), not when the
-router first had it. Taken where the router had them, the histograms said 0.27 s of TTFT while
-clients waited 1.2-1.8 s on a busy host.
+router first had it (issue #45: taken where the router had them, they said 0.27 s of TTFT on a
+busy host while clients waited 1.2-1.8 s).
 """
 
 from __future__ import annotations
