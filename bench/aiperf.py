@@ -5,6 +5,8 @@ Deployments, started in turn on the same model and stopped after their turn:
   colocated   `splitserve up --prefill 0 --decode 0 --colocated 1`
   vllm        vLLM's own OpenAI server, its defaults but for the KV cache size and block size
               (`python -m vllm.entrypoints.openai.api_server`; bench/vs_vllm.py starts it)
+Each runs in a session of its own, as a server started in one terminal and AIPerf in another do
+(Linux shares CPU time between sessions first: splitserve/engine_spin.py says why it matters).
 Each gets AIPerf's chat endpoint, streaming, at each concurrency. For splitserve the router's
 own histograms (`/metrics`, scraped before and after) are read beside AIPerf's figures: the TTFT
 p50 the router reports against the one the client measured.
@@ -131,7 +133,7 @@ def start_splitserve(name: str, model: str, port: int, log: Path) -> subprocess.
     cmd = [sys.executable, "-m", "deploy.cli", "up", "--model", model, "--http-port", str(port),
            "--grpc-port", "0", "--log-dir", str(log.parent / name), *SPLITSERVE[name]]
     return subprocess.Popen(cmd, cwd=ROOT, stdin=subprocess.DEVNULL, stdout=open(log, "w"),
-                            stderr=subprocess.STDOUT, **child_group())
+                            stderr=subprocess.STDOUT, **child_group(own_session=True))
 
 
 def main() -> None:
@@ -164,7 +166,7 @@ def main() -> None:
             if name == "vllm":
                 ns = argparse.Namespace(engine_cores="0", dtype=a.dtype, max_model_len=4096,
                                         vllm_port=a.port, kv_cache_mib=256, stream_interval=1)
-                proc = start_vllm(ns, model, work / "vllm.log")
+                proc = start_vllm(ns, model, work / "vllm.log", own_session=True)
                 wait_ready(url, "/v1/models")
             else:
                 proc = start_splitserve(name, model, a.port, work / f"{name}.log")
