@@ -32,6 +32,7 @@ from splitserve.lifeline import ENGINE_PARENT_ENV
 SPIN_S = 0.002
 POLL_S = 0.01  # the longest a lost notification can hold a sleeping reader
 SPIN_ENV = "SPLITSERVE_ENGINE_SPIN_S"
+VLLM_WAIT = "_splitserve_vllm_wait"  # where the patched class keeps vLLM's own wait
 
 
 def spin_s() -> float:
@@ -59,15 +60,15 @@ def limit_spin(seconds: float) -> None:
     from vllm.distributed.device_communicators import shm_broadcast
 
     cls = shm_broadcast.SpinCondition
-    if getattr(cls, "_splitserve_spin_s", None) is not None:
-        cls._splitserve_spin_s = seconds
+    cls._splitserve_spin_s = seconds
+    if VLLM_WAIT in cls.__dict__:  # patched already (plugins load more than once): new limit
         return
-    wait = cls.wait
+    vllm_wait = cls.wait
 
     def short_wait(self, timeout_ms: int | None = None) -> None:
         self.busy_loop_s = min(self.busy_loop_s, cls._splitserve_spin_s)
         poll_ms = round(POLL_S * 1000)
-        wait(self, poll_ms if timeout_ms is None else min(timeout_ms, poll_ms))
+        vllm_wait(self, poll_ms if timeout_ms is None else min(timeout_ms, poll_ms))
 
-    cls._splitserve_spin_s = seconds
+    setattr(cls, VLLM_WAIT, vllm_wait)
     cls.wait = short_wait

@@ -17,8 +17,11 @@ def spin_condition(monkeypatch, tmp_path):
     from vllm.distributed.device_communicators import shm_broadcast
 
     cls = shm_broadcast.SpinCondition
-    monkeypatch.setattr(cls, "wait", cls.wait)  # restored after the test, as is the next
-    monkeypatch.setattr(cls, "_splitserve_spin_s", None, raising=False)
+    # vLLM's own class for the test, whatever an engine built in this process did to it (an
+    # in-process engine loads the plugin here too); restored afterwards.
+    monkeypatch.setattr(cls, "wait", cls.__dict__.get(engine_spin.VLLM_WAIT, cls.wait))
+    monkeypatch.delattr(cls, engine_spin.VLLM_WAIT, raising=False)
+    monkeypatch.delattr(cls, "_splitserve_spin_s", raising=False)
     ctx = zmq.Context()
     address = f"ipc://{tmp_path}/notify"
     writer = cls(is_reader=False, context=ctx, notify_address=address)
