@@ -227,6 +227,11 @@ class Autoscaler:
 
     def tick(self) -> None:
         now = self.sample()
+        if self.samples and now.requests < self.samples[-1].requests:
+            # The router restarted: its counters began again from zero. A window across that
+            # would read as a negative rate and no latencies -- idle, while requests may be
+            # missing the SLO. The window starts over instead.
+            self.samples.clear()
         self.samples.append(now)
         while len(self.samples) > 1 and now.t - self.samples[1].t >= self.cfg.window_s:
             self.samples.popleft()
