@@ -105,6 +105,7 @@ class Cluster:
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self.loop.run_forever, daemon=True)
         self._servers: list[asyncio.base_events.Server] = []
+        self.turned_away = 0  # connections a Service rejected: it had no endpoint
 
     # -- pods --------------------------------------------------------------------------------
     def _resolve_names(self, s: str) -> str:
@@ -188,6 +189,7 @@ class Cluster:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             pods = self.endpoints(svc)
             if not pods:  # no endpoint: kube-proxy rejects the connection
+                self.turned_away += 1
                 writer.close()
                 return
             pod = pods[hash(writer.get_extra_info("peername")) % len(pods)]
@@ -247,12 +249,14 @@ class Cluster:
                                                    if p.alive else "not started")
                          for p in self.pods)
 
-    def wait_converged(self, timeout_s: float = 300.0, settle_s: float = 30.0) -> None:
-        """Until every pod is ready. Fails when a pod exits, when time runs out, or when it
-        is stuck: every other pod ready and the rest alive but not ready for `settle_s`
-        (with heartbeats and registration retried every second, a rollout that can still
-        converge does so within a few seconds of that point)."""
-        deadline, stuck_since = time.monotonic() + timeout_s, None
+    def wait_converged(self, timeout_s: float = 300.0, stuck_after: int = 3) -> None:
+        """Until every pod is ready. Fails when a pod exits, when time runs out (a hang guard),
+        or when it is stuck: every other pod ready, the rest alive but not ready, and since then
+        the Services have turned away `stuck_after` connections for want of a ready endpoint
+        (the pods keep asking, with backoff, and nothing that could make a pod ready gets
+        through: a retry can only meet the same empty Service). A rollout that converges turns
+        none away in that state. Counted, not timed: the retries' backoff sets the pace."""
+        deadline, stuck_at = time.monotonic() + timeout_s, None
         while not all(p.ready for p in self.pods):
             dead = [p for p in self.pods if p.proc.poll() is not None]
             if dead:
@@ -260,11 +264,12 @@ class Cluster:
                                    f"{dead[0].log.read_text()[-2000:]}")
             waiting = [p for p in self.pods if not p.ready]
             if all(p.alive for p in waiting):
-                stuck_since = stuck_since or time.monotonic()
-                if time.monotonic() - stuck_since > settle_s:
-                    raise NotConverged(f"stuck for {settle_s:.0f} s: {self.report()}")
+                stuck_at = self.turned_away if stuck_at is None else stuck_at
+                if self.turned_away - stuck_at >= stuck_after:
+                    raise NotConverged(f"stuck: {stuck_after} connections turned away by "
+                                       f"Services without a ready endpoint: {self.report()}")
             else:
-                stuck_since = None
+                stuck_at = None
             if time.monotonic() > deadline:
                 raise NotConverged(f"not ready after {timeout_s:.0f} s: {self.report()}")
             time.sleep(0.2)
