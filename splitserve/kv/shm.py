@@ -26,6 +26,11 @@ life, the kernel drops that lock with the creator's last descriptor however it d
 process sweeps unlocked segments before making its first (`sweep_orphans`). A lock rather than a
 pid in the name: two containers of one pod share /dev/shm but not their pid namespaces. Linux
 only: elsewhere `available()` is false and the pair channel serves.
+
+Whose segment is it? A process tree started with $SPLITSERVE_KV_SHM_TAG (8 hex digits) names
+every segment it makes `splitserve-kv-<tag><16 random hex>`: on a host where several splitserves
+share /dev/shm, `leftover_segments(tag)` lists one's own (a test run's leak check, an operator
+after a crash). Without it the 24 hex digits are all random; either way a peer attaches alike.
 """
 
 from __future__ import annotations
@@ -41,7 +46,6 @@ import secrets
 import sys
 import threading
 import time
-import uuid
 import warnings
 from dataclasses import dataclass
 from multiprocessing import shared_memory
@@ -52,6 +56,8 @@ log = logging.getLogger(__name__)
 
 PREFIX = "splitserve-kv-"
 _NAME = re.compile(r"^splitserve-kv-[0-9a-f]{24}$")
+TAG_ENV = "SPLITSERVE_KV_SHM_TAG"  # optional: the first 8 hex digits of our segments' names
+_TAG = re.compile(r"^[0-9a-f]{8}$")
 _DIR = "/dev/shm"
 NONCE_BYTES = 16
 MIN_BYTES = 1 << 20  # the first segment; it grows (geometrically) with the largest pull
@@ -64,9 +70,21 @@ def available() -> bool:
 ORPHAN_MIN_AGE_S = 60.0  # younger segments are left alone: their creator may not hold the lock yet
 
 
-def leftover_segments() -> list[str]:
-    """Our segments present in /dev/shm now (for leak checks)."""
-    return sorted(n for n in os.listdir(_DIR) if n.startswith(PREFIX)) if available() else []
+def leftover_segments(tag: str | None = None) -> list[str]:
+    """Our segments present in /dev/shm now (for leak checks); with `tag`, only those made by
+    processes that ran with $SPLITSERVE_KV_SHM_TAG = `tag` (module docstring)."""
+    if tag is not None and not _TAG.match(tag):
+        raise ValueError(f"a segment tag is 8 lowercase hex digits, got {tag!r}")
+    start = PREFIX + (tag or "")
+    return sorted(n for n in os.listdir(_DIR) if n.startswith(start)) if available() else []
+
+
+def _new_name() -> str:
+    """PREFIX, then $SPLITSERVE_KV_SHM_TAG if set, then random hex up to 24 digits."""
+    tag = os.environ.get(TAG_ENV, "")
+    if tag and not _TAG.match(tag):
+        raise ValueError(f"${TAG_ENV} must be 8 lowercase hex digits, got {tag!r}")
+    return PREFIX + tag + secrets.token_hex(12)[len(tag):]
 
 
 def sweep_orphans(min_age_s: float = ORPHAN_MIN_AGE_S) -> list[str]:
@@ -121,13 +139,14 @@ class Segment:
 
     @classmethod
     def create(cls, nbytes: int) -> Segment:
-        """A new segment of at least `nbytes`; OSError (ENOSPC) when /dev/shm has no room.
+        """A new segment of at least `nbytes`; OSError (ENOSPC) when /dev/shm has no room,
+        ValueError when $SPLITSERVE_KV_SHM_TAG is not 8 hex digits.
 
         Its pages are reserved now: a tmpfs that is too small (a container's default /dev/shm
         is 64 MiB) would otherwise accept the size and kill whoever first touches a page
         beyond its room with SIGBUS."""
         _sweep_once()
-        shm = shared_memory.SharedMemory(name=PREFIX + uuid.uuid4().hex[:24], create=True,
+        shm = shared_memory.SharedMemory(name=_new_name(), create=True,
                                          size=max(nbytes, MIN_BYTES))
         try:
             # Held until close() closes the descriptor, or the kernel does at our death:

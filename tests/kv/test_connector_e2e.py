@@ -3,19 +3,22 @@
 Engines, shared by the module (starting one costs ~15 s on 2 cores):
   P   producer (prefill), short lease so the expiry test is quick; copies held blocks out
   PB  the same, holding vLLM's blocks until pulled (the GPU default)
+      (both publish their transfer counts on a status board: board.py)
   D   consumer, kv_load_failure_policy "recompute", fault injection allowed
   DF  consumer, policy "fail"
   DS  consumer, loads in the step that schedules the request, before its forward pass
   DL  the same, but scattering each layer beside the forward (layered.py), slowed down so that
       a forward that did not wait for its layer would read it unfilled
   C   plain colocated engine: the reference every disaggregated output must equal
-After every test all four are idle with no KV block in use (leak check).
+After every test all of them are idle with no KV block in use (leak check); after the module,
+no shared-memory segment their processes made is left (counted by this module's tag: shm.py).
 """
 
 from __future__ import annotations
 
 import asyncio
 import json
+import secrets
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -25,8 +28,10 @@ import pytest
 from bench.kv_producer import ProducerProc
 from splitserve.engine import EngineConfig
 from splitserve.kv import shm
+from splitserve.kv.board import read_board
 from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.ticket import KVTicket, produce_params
+from tests.kv.transport_harness import HANG_S, wait_until
 from tests.utils import (
     GOLDEN_LENGTHS,
     EngineSet,
@@ -46,14 +51,17 @@ LAYER_STALL_S = 0.05
 
 
 class Cluster(EngineSet):
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, board_dir: Path) -> None:
         self.model = str(model_dir)
+        self.boards = {name: board_dir / f"{name}.board" for name in ("P", "PB")}
         base = {"model": self.model, "dtype": "float32", "kv_cache_mib": 128}
         kv = ConnectorSettings(lease_s=LEASE_S, timeout_s=TIMEOUT_S)
         super().__init__({
-            "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P", kv_settings=kv),
+            "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P",
+                              kv_settings=replace(kv, status_file=str(self.boards["P"]))),
             "PB": EngineConfig(**base, kv_role="kv_producer", engine_id="PB",
-                               kv_settings=replace(kv, hold="blocks")),
+                               kv_settings=replace(kv, hold="blocks",
+                                                   status_file=str(self.boards["PB"]))),
             "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
                               kv_settings=replace(kv, load="async", allow_fault_injection=True)),
             # Async: test_producer_killed_mid_transfer watches DF's blocks while a pull is in
@@ -76,13 +84,18 @@ class Cluster(EngineSet):
 
 
 @pytest.fixture(scope="module")
-def cluster(tiny_model_dir: Path):
-    before = set(shm.leftover_segments())  # a session cluster's workers may hold their own
-    c = Cluster(tiny_model_dir)
-    yield c
-    c.close()
-    # The consumers unlinked their segments at shutdown.
-    assert set(shm.leftover_segments()) <= before
+def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
+    # The module's segments carry a tag of their own, inherited by the engines' processes (and
+    # the fake producer's): the leak check counts those alone, not another splitserve's.
+    tag = secrets.token_hex(4)
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(shm.TAG_ENV, tag)
+        c = Cluster(tiny_model_dir, tmp_path_factory.mktemp("boards"))
+        yield c
+        c.close()
+    # The consumers unlinked their segments at shutdown, the producers their hold arenas.
+    left = shm.leftover_segments(tag)
+    assert not left, f"shared KV segments left behind: {left}"
 
 
 @pytest.fixture(autouse=True)
@@ -196,23 +209,36 @@ def test_unpulled_lease_expires_and_a_late_pull_recomputes(cluster: Cluster,
                                                            producer: str) -> None:
     from vllm import SamplingParams
 
+    board = cluster.boards[producer]
+
+    def live() -> int:
+        counts = read_board(board)
+        return counts["held"] + counts["claimed"]
+
+    # An earlier test's unpulled hold ends within a lease; then ours is the only one here.
+    wait_until(lambda: live() == 0, "the producer's earlier holds to end")
+    expired = read_board(board)["expired"]
     (ids,) = make_prompts(Path(cluster.model), [260], seed=5)
     want = cluster.run(engine_greedy(cluster.C, [ids], MAX_TOKENS))[0]
     p = SamplingParams(temperature=0.0, max_tokens=1,
                        extra_args={"kv_transfer_params": produce_params(f"lease-{producer}")})
     prod = cluster.engines[producer]
     out = cluster.run(collect(prod, ids, p, f"lease-{producer}"))
-    held_at = time.monotonic()
     params = out.kv_transfer_params
-    assert len(KVTicket.from_vllm(params).block_ids) == 3  # 260 tokens: 2 full + partial
+    ticket = KVTicket.from_vllm(params)
+    assert len(ticket.block_ids) == 3  # 260 tokens: 2 full + partial
     mon = cluster.monitors[producer]
     if producer == "PB":
         assert mon.snapshot().kv_cache_usage > 0  # vLLM's blocks held under the lease
-    # Freed without anyone pulling: at once when copied out, at lease expiry otherwise.
-    cluster.run(wait_idle(mon, timeout=LEASE_S + 10))
-    if producer == "PB":  # a lower bound only: the lease must not end early (0.5 s: clocks)
-        assert time.monotonic() - held_at >= LEASE_S - 0.5
-    time.sleep(max(LEASE_S + 0.5 - (time.monotonic() - held_at), 0))
+    # Nobody pulls or releases it: the producer ends it EXPIRED (its board counts it then).
+    wait_until(lambda: read_board(board)["expired"] > expired and live() == 0, "the expiry")
+    assert read_board(board)["expired"] == expired + 1
+    # Not before the lease the ticket promised: the producer's lease starts when it registers
+    # the hold, after the ticket was issued, so on a slow host this only gets later. 0.5 s:
+    # the ticket's wall clock against the producer's monotonic one.
+    assert time.time() >= ticket.lease_expires_at - 0.5
+    # vLLM's blocks are free: at the hold when copied out, at the expiry otherwise.
+    cluster.run(wait_idle(mon, timeout=HANG_S))
     # A decode that arrives too late is refused by the producer; policy "recompute" prefills
     # locally and the answer is still right.
     failures = cluster.monitors["D"].snapshot().transfers.failures
@@ -271,7 +297,9 @@ def test_failure_policy_fail_ends_the_request_with_error(cluster: Cluster) -> No
 
 def test_producer_killed_mid_transfer(cluster: Cluster, tiny_model_dir: Path) -> None:
     """A producer process dies after accepting a pull: the decode engine fails the request
-    within its timeout (policy fail), and every block it allocated returns to the pool."""
+    (policy fail) instead of waiting on it, and every block it allocated returns to the pool.
+    (That the consumer learns it from the broken connection, not by its timeout:
+    test_transport.py, test_producer_killed_mid_transfer_fails_fast.)"""
     from vllm import SamplingParams
 
     cfg = json.loads((tiny_model_dir / "config.json").read_text())
@@ -286,17 +314,18 @@ def test_producer_killed_mid_transfer(cluster: Cluster, tiny_model_dir: Path) ->
         ticket = fake.ticket("doomed", [1, 2], num_tokens=200)  # same spec as the engines'
         d = SamplingParams(temperature=0.0, max_tokens=8,
                            extra_args={"kv_transfer_params": ticket.to_vllm()})
+        mon = cluster.monitors["DF"]
+        failures = mon.snapshot().transfers.failures
         fut = asyncio.run_coroutine_threadsafe(collect(cluster.DF, ids + [5], d, "doomed"),
                                                cluster.loop.loop)
-        time.sleep(2.0)  # the pull is accepted and the producer stalls before sending
+        # The pull is accepted, and the producer stalls (120 s) before its reply.
+        wait_until(lambda: fake.cmd(op="finished")["status"]["claimed"] == 1, "the pull")
+        # DF's blocks for it are allocated (its stats reach the monitor with its steps).
+        wait_until(lambda: mon.snapshot().kv_cache_usage > 0, "DF's blocks in use")
         assert not fut.done()
-        assert cluster.monitors["DF"].snapshot().kv_cache_usage > 0
         fake.proc.kill()
-        killed = time.monotonic()
-        out = fut.result(timeout=TIMEOUT_S + 15)
-        # Bound: the decode engine learns of the dead peer within its 5 s transfer timeout;
-        # +5 s for engine steps on a loaded 2-core machine. A hang would take the whole wait.
-        assert time.monotonic() - killed < TIMEOUT_S + 5
+        out = fut.result(timeout=HANG_S)  # a hang guard, not a speed check
         assert out.outputs[0].finish_reason == "error"
+        assert mon.snapshot().transfers.failures == failures + 1  # the pull failed
     finally:
         fake.close()

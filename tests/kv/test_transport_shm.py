@@ -3,19 +3,18 @@ with a real Producer process and a real Consumer (harness: transport_harness.py)
 
 from __future__ import annotations
 
+import os
 import socket
-import time
 
 import pytest
 import torch
 
 from bench.kv_producer import caches_of
 from splitserve.kv import shm
-from tests.kv.transport_harness import BASE, arena_ready, pull
+from tests.kv.transport_harness import BASE, arena_ready, own_segments, pull, wait_until
 
 
 def test_shared_segment_is_reused_and_grown_with_the_largest_pull(producers, consumers) -> None:
-    baseline = set(shm.leftover_segments())  # a session cluster's own
     p, c = producers(num_blocks=64, shape=[2, 128, 128]), consumers("auto", num_blocks=64,
                                                                   shape=[2, 128, 128])
     block = 3 * 2 * 128 * 128 * 2  # layers * heads * tokens * row * bf16: 192 KiB
@@ -28,7 +27,7 @@ def test_shared_segment_is_reused_and_grown_with_the_largest_pull(producers, con
         names.append(peer.conn.shm.segment.name)
         assert peer.conn.shm.segment.size >= n * block
         # The one it replaced is unlinked.
-        assert set(shm.leftover_segments()) - baseline == {names[-1]}
+        assert own_segments() == {names[-1]}
     assert names[0] == names[1] != names[2] == names[3]
     for name, want in p.expected([0, 1]).items():
         assert torch.equal(c.caches[name][[1, 0]].view(torch.uint8), want.view(torch.uint8))
@@ -38,13 +37,12 @@ def test_shared_segment_is_reused_and_grown_with_the_largest_pull(producers, con
 def test_a_producer_that_cannot_share_memory_gets_the_pair_channel(producers, consumers) -> None:
     """The consumer offers its segment; a producer that declines (another host, another IPC
     namespace, or told not to) is served over the pair channel, and the offer is unlinked."""
-    baseline = set(shm.leftover_segments())  # a session cluster's own
     p, c = producers(transport="pair"), consumers("auto")
     p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
     assert pull(c, p, "t1", [1, 2], [3, 4]).ok
     (peer,) = c._peers.values()
     assert peer.conn.shm is None and peer.conn.chan is not None
-    assert c.stats.total.shm_transfers == 0 and set(shm.leftover_segments()) <= baseline
+    assert c.stats.total.shm_transfers == 0 and not own_segments()
     for name, want in p.expected([1, 2]).items():
         assert torch.equal(c.caches[name][[3, 4]].view(torch.uint8), want.view(torch.uint8))
 
@@ -55,7 +53,6 @@ def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, cons
     pages are reserved (not by SIGBUS on first touch), and the pull goes over the pair channel,
     as does every later one to that producer."""
     import errno
-    import os
 
     real = os.posix_fallocate
 
@@ -65,7 +62,6 @@ def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, cons
         real(fd, offset, length)
 
     monkeypatch.setattr(os, "posix_fallocate", small_tmpfs)
-    baseline = set(shm.leftover_segments())  # a session cluster's own
     p = producers(num_blocks=64)
     c = consumers("auto", num_blocks=64)
     block = 3 * 2 * 32 * 128 * 2  # 48 KiB: 40 blocks need a bigger segment than "fits"
@@ -81,7 +77,7 @@ def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, cons
     (peer,) = c._peers.values()
     assert peer.conn.shm is None and peer.conn.chan is not None
     assert c.stats.total.transfers == 3 and c.stats.total.shm_transfers == 1
-    assert set(shm.leftover_segments()) <= baseline
+    assert not own_segments()
 
 
 @pytest.mark.parametrize(("remote", "local"), [([1, 3, 7, 12, 9], [10, 2, 5, 15, 4]),
@@ -120,10 +116,13 @@ def test_an_arena_copy_nobody_pulls_is_freed(producers, consumers, end: str) -> 
     assert p.cmd(op="connections")["arena_free"] < free
     if end == "release":
         assert p.cmd(op="release", transfer_id="t1")["state"] == "held"
+        assert p.cmd(op="connections")["arena_free"] == free  # at once
     else:
-        time.sleep(1.2)  # the accept loop reaps expired leases every 0.5 s
-    assert p.cmd(op="connections")["arena_free"] == free
-    assert not pull(c, p, "t1", [1, 2, 3], [4, 5, 6]).ok
+        # Nobody asks the producer anything ("connections" reaps nothing): its accept loop
+        # reaps expired leases every 0.5 s by itself.
+        wait_until(lambda: p.cmd(op="connections")["arena_free"] == free, "the lease's reaping")
+    res = pull(c, p, "t1", [1, 2, 3], [4, 5, 6])
+    assert not res.ok and ("lease expired" if end == "lease" else "released") in res.error
 
 
 def test_a_consumer_that_never_confirms_its_read_fails_the_transfer(producers) -> None:
@@ -154,10 +153,7 @@ def test_a_consumer_that_never_confirms_its_read_fails_the_transfer(producers) -
     finally:
         sock.close()
         staging.close()
-    deadline = time.monotonic() + 5
-    while p.cmd(op="connections")["arena_free"] != free:
-        assert time.monotonic() < deadline, "the span outlived its consumer"
-        time.sleep(0.05)
+    wait_until(lambda: p.cmd(op="connections")["arena_free"] == free, "the span's release")
     assert p.cmd(op="finished")["status"]["failed"] == 1
 
 
@@ -193,3 +189,30 @@ def test_a_forged_segment_offer_is_not_taken(producers) -> None:
         staging.close()
 
 
+
+
+def test_segments_carry_the_tag_of_their_process_tree(producers, consumers, monkeypatch) -> None:
+    """The leak checks count a test's own segments by their tag (transport_harness.py): ours and
+    our producer processes' carry it; another splitserve's on this host (untagged, or tagged by
+    another test run) do not."""
+    tag = os.environ[shm.TAG_ENV]
+    with monkeypatch.context() as m:
+        m.delenv(shm.TAG_ENV)
+        untagged = shm.Segment.create(shm.MIN_BYTES)
+        m.setenv(shm.TAG_ENV, "0" * 8 if tag != "0" * 8 else "1" * 8)
+        other_run = shm.Segment.create(shm.MIN_BYTES)
+    try:
+        p, c = producers(copy_out=True), consumers("auto")
+        arena_ready(p, c)
+        (peer,) = c._peers.values()
+        mine = {peer.conn.shm.segment.name, p.cmd(op="connections")["arena"]}
+        assert all(n.startswith(shm.PREFIX + tag) for n in mine)
+        assert own_segments() == mine
+        assert {untagged.name, other_run.name} <= set(shm.leftover_segments())
+    finally:
+        untagged.close()
+        other_run.close()
+    with monkeypatch.context() as m:
+        m.setenv(shm.TAG_ENV, "not-hex!")
+        with pytest.raises(ValueError, match=shm.TAG_ENV):
+            shm.Segment.create(shm.MIN_BYTES)

@@ -1,8 +1,15 @@
 """The transport tests' producers and consumers: a real Producer process per `producers()`, a
-real Consumer per `consumers()`, and a pull that waits for its result."""
+real Consumer per `consumers()`, and a pull that waits for its result.
+
+Each test's shared-memory segments carry a tag of its own ($SPLITSERVE_KV_SHM_TAG, shm.py), set
+for the test process and inherited by the producer processes: the leak check counts those alone,
+so what another splitserve on this host (a cluster, a parallel test run) makes or removes
+meanwhile changes nothing it counts."""
 
 from __future__ import annotations
 
+import os
+import secrets
 import time
 
 import pytest
@@ -18,10 +25,16 @@ BASE = DEFAULTS
 BOTH = pytest.mark.parametrize("transport", ["pair", "auto"], ids=["pair", "shm"])
 
 
+def own_segments() -> set[str]:
+    """This test's segments in /dev/shm now (inside the `producers` fixture)."""
+    return set(shm.leftover_segments(os.environ[shm.TAG_ENV]))
+
+
 @pytest.fixture
-def producers():
+def producers(monkeypatch):
+    monkeypatch.setenv(shm.TAG_ENV, secrets.token_hex(4))  # before any segment of this test
+    assert not own_segments()
     started: list[ProducerProc] = []
-    before = set(shm.leftover_segments())  # a session cluster's workers may hold their own
 
     def start(**overrides) -> ProducerProc:
         p = ProducerProc(**overrides)
@@ -33,7 +46,7 @@ def producers():
         p.close()
     # Every shared segment is unlinked with its owner: the consumers' (closed first: see
     # `consumers`) and the producers' hold arenas.
-    assert set(shm.leftover_segments()) <= before
+    assert not (left := own_segments()), f"shared KV segments left behind: {sorted(left)}"
 
 
 @pytest.fixture
@@ -63,17 +76,37 @@ def job(p: ProducerProc, tid: str, remote: list[int], local: list[int]) -> PullJ
     return PullJob(tid, p.ticket(tid, remote), local, remote)
 
 
-def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[int],
-         wait_s: float = 20.0) -> LoadResult:
+# Hang guards, not speed checks: a pull that has not ended in this long is hung (each of its
+# network waits is bounded by the transfer timeout, 5 s here), however loaded the host.
+HANG_S = 60.0
+
+
+def pull(c: Consumer, p: ProducerProc, tid: str, remote: list[int], local: list[int]
+         ) -> LoadResult:
     c.submit(job(p, tid, remote, local))
-    deadline = time.monotonic() + wait_s
-    while time.monotonic() < deadline:
-        results = c.take_results()
-        if results:
-            assert len(results) == 1 and results[0].req_id == tid
-            return results[0]
+    (result,) = results_of(c, 1)
+    assert result.req_id == tid
+    return result
+
+
+def results_of(c: Consumer, n: int) -> list[LoadResult]:
+    """The consumer's next `n` results, in the order they ended (AssertionError if it hangs)."""
+    results: list[LoadResult] = []
+    deadline = time.monotonic() + HANG_S
+    while len(results) < n:
+        assert time.monotonic() < deadline, f"hung: {len(results)} of {n} pulls ended"
+        results += c.take_results()
         time.sleep(0.01)
-    raise AssertionError(f"no result for {tid} within {wait_s} s")
+    assert len(results) == n, results
+    return results
+
+
+def wait_until(ready, what: str) -> None:
+    """Poll `ready()` until it is true (AssertionError naming `what` if that takes HANG_S)."""
+    deadline = time.monotonic() + HANG_S
+    while not ready():
+        assert time.monotonic() < deadline, f"hung waiting for {what}"
+        time.sleep(0.02)
 
 
 def arena_ready(p: ProducerProc, c: Consumer) -> int:
@@ -82,6 +115,6 @@ def arena_ready(p: ProducerProc, c: Consumer) -> int:
     p.cmd(op="hold", transfer_id="warm", block_ids=[0])
     assert pull(c, p, "warm", [0], [0]).ok
     info = p.cmd(op="connections")
-    assert info["arena"] in shm.leftover_segments()
+    assert info["arena"] in own_segments()  # the producer process inherited the tag
     assert c.stats.total.arena_transfers == 0
     return info["arena_free"]
