@@ -1,5 +1,5 @@
-"""The session-end sweep of vLLM's shared-memory segments (tests/conftest.py): it finds a
-segment whose process group was SIGKILLed (resource tracker included) and leaves a mapped one."""
+"""The session-end report of vLLM's shared-memory segments (tests/conftest.py): it finds a
+segment whose process group was SIGKILLed (resource tracker included) and not a mapped one."""
 
 from __future__ import annotations
 
