@@ -24,7 +24,7 @@ import math
 import threading
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 
 import ray
 from prometheus_client.parser import text_string_to_metric_families
@@ -197,6 +197,8 @@ class Autoscaler:
             self.profile = Profile.from_dict(cfg.profile)
         self.samples: deque[Sample] = deque()
         self.last_change: dict[str, float] = {}
+        self.ticks = 0  # ticks that read the metrics (for `status`)
+        self.last: Signals | None = None  # what the last full window showed
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="splitserve-autoscale",
                                         daemon=True)
@@ -227,6 +229,7 @@ class Autoscaler:
 
     def tick(self) -> None:
         now = self.sample()
+        self.ticks += 1
         if self.samples and now.requests < self.samples[-1].requests:
             # The router restarted: its counters began again from zero. A window across that
             # would read as a negative rate and no latencies -- idle, while requests may be
@@ -238,6 +241,7 @@ class Autoscaler:
         if len(self.samples) < 2:
             return
         sig = signals(now, self.samples[0])
+        self.last = sig
         sizes = self.controller.sizes()
         want, why = decide(self.cfg, sizes, sig, plan_sizes(self.profile, self.cfg, sig),
                            now.t, self.last_change)
@@ -247,6 +251,11 @@ class Autoscaler:
                     self.last_change[pool] = now.t
             self.controller.scale(want[Role.PREFILL.value], want[Role.DECODE.value],
                                   reason="autoscale: " + "; ".join(why))
+
+    def report(self) -> dict:
+        """For `splitserve ray status`: how often it looked, and what it last saw."""
+        return {"ticks": self.ticks, "interval_s": self.cfg.interval_s,
+                "signals": None if self.last is None else asdict(self.last)}
 
     def _run(self) -> None:
         while not self._stop.wait(self.cfg.interval_s):

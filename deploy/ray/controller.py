@@ -223,7 +223,8 @@ class Controller:
                 "router_info": info(self.router) if self.router else None,
                 "pools": {r.value: [{"name": s.name, **info(s.actor)} for s in pools[r]]
                           for r in POOLS},
-                "events": list(self.events), "autoscale": self.cfg.autoscale is not None}
+                "events": list(self.events),
+                "autoscale": None if self.autoscaler is None else self.autoscaler.report()}
 
     def sizes(self) -> dict[str, int]:
         return {r.value: len(self.pools[r]) for r in POOLS}

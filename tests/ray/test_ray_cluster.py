@@ -1,5 +1,6 @@
 """A real local Ray cluster (CPU, started here in a temp dir of its own) running a real
-deployment of the tiny model; the tests run in file order on one deployment:
+deployment of the tiny model; the tests share one deployment, each sizing it as it needs
+(file order makes each resize the previous test's), so any one of them also runs alone:
 
   1P1D: greedy output of disaggregated requests (KV moved between the Ray workers' engines)
         equals the decode engine prefilling itself — the colocated computation;
@@ -9,7 +10,8 @@ deployment of the tiny model; the tests run in file order on one deployment:
         same worker id and serves, and every request finishes (the router migrates the dead
         worker's requests);
   scale 1P2D -> 1P1D with the Python API under load: no failed request;
-  down: workers idle with every KV block free first, then no actor, no process left.
+  down: workers idle with every KV block free first, then no actor, no process left;
+  the CLI: `ray up --autoscale --detach`, `ray status`, `ray down` on a deployment of its own.
 """
 
 from __future__ import annotations
@@ -18,7 +20,6 @@ import concurrent.futures as cf
 import json
 import os
 import secrets
-import socket
 import subprocess
 import sys
 import threading
@@ -27,6 +28,7 @@ from pathlib import Path
 
 import grpc
 import pytest
+import ray
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from deploy.procs import live_groups
@@ -38,22 +40,15 @@ from splitserve.roles import Role
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
 from tests.utils import make_prompts
 
-ray = pytest.importorskip("ray")
-pytestmark = pytest.mark.slow
 LENGTHS = [1, 17, 127, 128, 129, 300]
 MAX_TOKENS = 10
 TOKEN = secrets.token_hex(16)
 # An engine started beside two busy ones on two cores took >600 s to load here (2026-12-03),
 # while each component had a session of its own; in one session it took ~60 s (deploy/procs.py,
-# docs/deploy.md). The limit stays above the deployment's 600 s default for slow CI hosts; every
-# wait for an engine start below is this one.
-START_S = 900
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+# docs/deploy.md). Every wait for an engine start below is this one, the deployment's default;
+# pytest's own limit sits above it, so a slow start fails with its own message, not a timeout.
+START_S = 600
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(START_S + 400)]
 
 
 def _request(ids: list[int], local: bool = False) -> generation_pb2.GenerateRequest:
@@ -146,7 +141,7 @@ def dep(ray_cluster, tiny_model_dir: Path):
     import deploy.ray as ssray
 
     d = ssray.deploy(str(tiny_model_dir), prefill=1, decode=1, host="127.0.0.1",
-                     grpc_port=_free_port(), cluster_port=_free_port(), http_port=_free_port(),
+                     grpc_port=0, cluster_port=0, http_port=0,  # each bound by its server
                      engine_args=("--dtype", "float32", "--kv-cache-mib", "64",
                                   "--kv-timeout-s", "5"),
                      start_timeout_s=START_S)
@@ -204,6 +199,7 @@ def test_1p1d_greedy_equals_the_engine_alone(dep, reference) -> None:
 
 
 def test_scale_up_from_another_driver_under_load(dep, reference) -> None:
+    _sized(dep, 1, 1)
     load = Load(dep.address, *reference)
     load.wait_for(4)
     out = subprocess.run([sys.executable, "-m", "deploy.cli", "ray", "scale", "--address",
@@ -219,7 +215,16 @@ def test_scale_up_from_another_driver_under_load(dep, reference) -> None:
     _remember(dep)
 
 
+def _sized(dep, prefill: int, decode: int) -> None:
+    """The deployment at this size (in file order the test before left it so; alone, this
+    makes it so)."""
+    if dep.sizes() != {"prefill": prefill, "decode": decode}:
+        dep.scale(prefill=prefill, decode=decode)
+    assert _models(dep) == (prefill, decode)
+
+
 def test_killed_worker_actor_restarts_and_registers_again(dep, reference) -> None:
+    _sized(dep, 1, 2)
     victim = f"{dep.name}-decode-1"
     actor = ray.get_actor(victim, namespace="splitserve")
     before = ray.get(actor.info.remote())
@@ -267,6 +272,7 @@ def _served(info: dict) -> float:
 
 
 def test_scale_down_with_the_python_api_under_load(dep, reference) -> None:
+    _sized(dep, 1, 2)
     gone = [ray.get_actor(f"{dep.name}-decode-1", namespace="splitserve")]
     load = Load(dep.address, *reference)
     load.wait_for(4)
@@ -312,3 +318,48 @@ def test_down_leaves_no_actor_process_or_kv_block(dep) -> None:
             break
         assert time.monotonic() < deadline, f"processes left behind: {left}"
         time.sleep(0.5)
+
+
+def _cli(*args: str, timeout_s: float = 120) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "deploy.cli", "ray", *args, "--address",
+                           ray.get_runtime_context().gcs_address], capture_output=True,
+                          text=True, timeout=timeout_s)
+
+
+def test_cli_up_with_autoscale_status_and_down(ray_cluster, reference,
+                                               tiny_model_dir: Path) -> None:
+    """`splitserve ray up --autoscale --detach`, `status` and `down` as a user runs them, on a
+    deployment of their own (one colocated-serving decode worker, bounds that hold it there):
+    it serves, the autoscaler has looked at its metrics, and `down` leaves no actor."""
+    prompts, want = reference
+    up = _cli("up", "--detach", "--name", "cli", "--model", str(tiny_model_dir), "--host",
+              "127.0.0.1", "--grpc-port", "0", "--cluster-port", "0", "--http-port", "0",
+              "--prefill", "0", "--decode", "1", "--dtype", "float32", "--kv-cache-mib", "64",
+              "--autoscale", "--slo", "ttft=60000,tpot=60000", "--min-prefill", "0",
+              "--max-prefill", "0", "--max-decode", "1", "--autoscale-interval-s", "0.2",
+              timeout_s=START_S + 120)
+    assert up.returncode == 0, up.stderr[-3000:]
+    address = up.stdout.strip().splitlines()[-1]  # stdout: the router's gRPC address
+    try:
+        with grpc.insecure_channel(address) as ch:
+            stub = generation_pb2_grpc.GenerationStub(ch)
+            for ids, w in zip(prompts[:3], want[:3]):
+                assert _tokens(stub, _request(ids)) == w
+        import deploy.ray as ssray
+
+        handle, deadline = ssray.connect("cli"), time.monotonic() + 60
+        while handle.status()["autoscale"]["signals"] is None:  # two samples make a window
+            assert time.monotonic() < deadline, handle.status()["autoscale"]
+            time.sleep(0.2)
+        out = _cli("status", "--name", "cli")
+        assert out.returncode == 0, out.stderr[-3000:]
+        st = json.loads(out.stdout)
+        assert st["router"]["grpc"] == address
+        assert [len(st["pools"][r]) for r in ("prefill", "decode")] == [0, 1]
+        assert st["autoscale"]["ticks"] >= 2 and st["autoscale"]["signals"]["rate"] >= 0
+    finally:
+        down = _cli("down", "--name", "cli")
+    assert down.returncode == 0, down.stderr[-3000:]
+    left = [a for a in ray.util.list_named_actors(all_namespaces=True)
+            if a["namespace"] == "splitserve" and a["name"].startswith("cli")]
+    assert not left, left
