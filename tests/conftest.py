@@ -15,10 +15,12 @@ import pytest
 # The tiers (README, "Tests"): CI runs every test but the `soak` ones, and the tiered ones (the
 # fuzzers) at their CI size, a seeded sample; `scripts/test.sh --soak` runs the soak tier.
 SOAK = os.environ.get("SPLITSERVE_SOAK") == "1"
-# Each test's time (setup + call + teardown) against its budget: a `budget(seconds)` mark, or
-# these. Overruns are listed in the summary, never failed on (that would be a timing assert);
-# growth shows at once. The CI budget: the whole of pytest within SUITE_BUDGET_S.
+# Each test's own time (its call) against its budget: a `budget(seconds)` mark, or these; the
+# shared fixtures' (engines, clusters: in the setup of whichever test needs them first, and the
+# teardown of the last) are listed apart. Overruns are listed in the summary, never failed on
+# (that would be a timing assert): growth shows at once. CI's budget: SUITE_BUDGET_S for pytest.
 BUDGET_S, SLOW_BUDGET_S, SUITE_BUDGET_S = 5.0, 60.0, 20 * 60.0
+FIXTURE_LISTED_S = 15.0
 
 # vLLM (and Ray) write caches and temp files under $HOME; keep test runs inside their own dirs.
 os.environ.setdefault("VLLM_NO_USAGE_STATS", "1")
@@ -112,13 +114,19 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
             item.add_marker(skip)
 
 
-_took: dict[str, float] = defaultdict(float)
+_took: dict[str, float] = defaultdict(float)  # every phase
+_call: dict[str, float] = {}
+_fixtures: list[tuple[float, str, str]] = []  # (seconds, phase, test) of the long set-ups
 _budget: dict[str, float] = {}
 _evidence: dict[str, str] = {}
 
 
 def pytest_runtest_logreport(report: pytest.TestReport) -> None:
     _took[report.nodeid] += report.duration
+    if report.when == "call":
+        _call[report.nodeid] = report.duration
+    elif report.duration > FIXTURE_LISTED_S:
+        _fixtures.append((report.duration, report.when, report.nodeid))
     if report.when == "call" or report.outcome != "passed":
         if report.nodeid in _evidence:
             _evidence[report.nodeid] = report.outcome
@@ -134,12 +142,17 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
 
 def _budget_report(tr) -> None:
     total = sum(_took.values())
-    over = sorted(((t - _budget[n], n, t) for n, t in _took.items()
+    over = sorted(((t - _budget[n], n, t) for n, t in _call.items()
                    if n in _budget and t > _budget[n]), reverse=True)
     tr.write_sep("-", f"time: {total / 60:.1f} min of tests against a {SUITE_BUDGET_S / 60:.0f} "
                       f"min budget; {len(over)} test(s) over their own")
     for extra, nodeid, took in over:
         tr.write_line(f"{took:7.1f} s  (budget {took - extra:.0f} s)  {nodeid}")
+    if _fixtures:
+        tr.write_line(f"shared fixtures over {FIXTURE_LISTED_S:.0f} s (set up for the first test "
+                      f"that needs them, torn down after the last):")
+    for took, phase, nodeid in sorted(_fixtures, reverse=True):
+        tr.write_line(f"{took:7.1f} s  {phase:8s}  {nodeid}")
 
 
 def pytest_terminal_summary(terminalreporter) -> None:

@@ -112,6 +112,7 @@ def test_converted_config_and_tokenizer_match_the_gguf_metadata(
 
 
 @pytest.mark.slow
+@pytest.mark.budget(90)  # an engine of its own and transformers on a 135M model
 def test_vllm_greedy_on_the_conversion_equals_transformers_on_the_gguf(
         smollm2: PackagedModelFiles, gguf_weights: dict[str, torch.Tensor]) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM

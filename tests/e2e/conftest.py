@@ -1,4 +1,4 @@
-"""The e2e cluster, shared by the session (engines cost ~15 s each to start).
+"""The e2e cluster, shared by the e2e tests (engines cost ~15 s each to start).
 
   P0 P1 prefill, D0 D1 decode — registered with router A (2P2D), HTTP front on
   router B: static list P0 + D0 (1P1D, and the static-worker path)
@@ -27,16 +27,21 @@ API_KEY = "test-key"
 STALL_S = 60
 
 
-def wait_models(c: ProcCluster, router: str, prefill: int, decode: int) -> None:
-    stub = c.generation(c.by_name[router])
+def registered(c: ProcCluster, router: str) -> tuple[int, int]:
+    """(prefill, decode) workers `router` serves with right now (its ListModels)."""
     md = [("authorization", f"Bearer {API_KEY}")] if router == "K" else None
-    deadline = time.monotonic() + 30
-    while True:
-        (m,) = stub.ListModels(generation_pb2.ListModelsRequest(), timeout=5,
-                               metadata=md).models
-        if (m.prefill_workers, m.decode_workers) == (prefill, decode):
-            return
-        assert time.monotonic() < deadline, f"router {router} sees {m}"
+    (m,) = c.generation(c.by_name[router]).ListModels(generation_pb2.ListModelsRequest(),
+                                                      timeout=5, metadata=md).models
+    return m.prefill_workers, m.decode_workers
+
+
+def wait_models(c: ProcCluster, router: str, prefill: int, decode: int,
+                within_s: float = 30.0) -> None:
+    """Until `router` serves with exactly these worker counts; `within_s` is the promise under
+    test where a caller passes one (a heartbeat timeout, a re-registration), else a hang guard."""
+    deadline = time.monotonic() + within_s
+    while (seen := registered(c, router)) != (prefill, decode):
+        assert time.monotonic() < deadline, f"router {router} serves with {seen}"
         time.sleep(0.2)
 
 
@@ -54,7 +59,7 @@ def static_router(c: ProcCluster, name: str, prefill: tuple[str, ...] = (),
     wait_models(c, name, prefill=len(prefill), decode=len(decode) + len(colocated))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")  # gone before the next directory's tests start engines
 def cl(tiny_model_dir: Path):
     c = ProcCluster(tiny_model_dir)
     try:
@@ -67,7 +72,9 @@ def cl(tiny_model_dir: Path):
         c.worker("C", Role.COLOCATED, 0)
         c.worker("DS", Role.DECODE, 1, "--debug-stall-decode-s", str(STALL_S))
         # Six engines loading at once on two cores take minutes (~2.5 each on an AVX2 host).
-        c.wait_ready(timeout_s=900)
+        # Inside pytest's own 900 s limit, which this setup counts against: a slow start fails
+        # with this wait's message (which engine, its log), not a bare timeout.
+        c.wait_ready(timeout_s=600)
         w = {p.name: p.address for p in c.procs}
         pd = ["--static-prefill", w["P0"], "--static-decode", w["D0"]]
         c.router("B", *pd)
@@ -87,6 +94,20 @@ def cl(tiny_model_dir: Path):
         yield c
     finally:
         c.close()
+
+
+@pytest.fixture(autouse=True)
+def own_processes(request: pytest.FixtureRequest):
+    """What a test started on the shared cluster (its own routers, a worker to kill) stops when
+    the test ends: idle routers still poll their workers, and the next tests share the cores.
+    Torn down after `leak_check`, which looks at the workers through them."""
+    if "cl" not in request.fixturenames:
+        yield
+        return
+    c: ProcCluster = request.getfixturevalue("cl")
+    before = len(c.procs)
+    yield
+    c.retire(c.procs[before:])
 
 
 @pytest.fixture

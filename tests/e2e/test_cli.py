@@ -13,7 +13,6 @@ from pathlib import Path
 import pytest
 
 from deploy.cli import DEMO_MAX_TOKENS
-from splitserve.net import free_port
 from tests.conftest import PackagedModelFiles
 from tests.test_repo import ROOT, _readme_commands
 from tests.utils import chat_prompts, hf_greedy_ids
@@ -42,8 +41,8 @@ def test_readme_run_command_answers_the_greedy_reference_quietly(
     run = _readme_commands()[0].split("&&", 1)[1].strip()
     argv = shlex.split(run)
     assert argv[:3] == [".venv/bin/splitserve", "up", "--demo"] and len(argv) == 4
-    out = subprocess.run([sys.executable, "-m", "deploy.cli", *argv[1:], "--grpc-port",
-                          str(free_port()), "--http-port", "0"], cwd=ROOT,
+    out = subprocess.run([sys.executable, "-m", "deploy.cli", *argv[1:], "--grpc-port", "0",
+                          "--http-port", "0"], cwd=ROOT,
                          capture_output=True, text=True, timeout=600)
     logs = re.search(r"^\[splitserve\] logs: (\S+)/ ", out.stderr, flags=re.M)
     try:
@@ -74,23 +73,35 @@ def test_readme_run_command_answers_the_greedy_reference_quietly(
 
 @pytest.fixture(scope="module")
 def default_cluster(smollm2: PackagedModelFiles, tmp_path_factory: pytest.TempPathFactory):
-    """`splitserve up` as README's "Using it" starts it (default model), on free ports; yields
-    (gRPC address, HTTP base URL)."""
+    """`splitserve up` as README's "Using it" starts it (default model), its servers on ports
+    they bind themselves; yields (gRPC address, HTTP base URL)."""
+    import json
     import signal
 
-    http_port = free_port()
-    err = tmp_path_factory.mktemp("up") / "stderr"
+    tmp = tmp_path_factory.mktemp("up")
+    err, ready = tmp / "stderr", tmp / "ready.json"
     with open(err, "w") as err_f:
-        p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--grpc-port",
-                              str(free_port()), "--http-port", str(http_port)], cwd=ROOT,
+        p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--grpc-port", "0",
+                              "--http-port", "0", "--ready-file", str(ready)], cwd=ROOT,
                              stdout=subprocess.PIPE, stderr=err_f, text=True)
     try:
         address = p.stdout.readline().strip()  # its one stdout line, once everything is ready
         assert address, err.read_text()[-3000:]
-        yield address, f"http://127.0.0.1:{http_port}"
+        router = json.loads(ready.read_text())["router"]
+        assert router["grpc"] == address
+        yield address, router["http"]
     finally:
         p.send_signal(signal.SIGINT)
-        assert p.wait(120) == 0, err.read_text()[-3000:]
+        try:
+            rc = p.wait(120)
+        except subprocess.TimeoutExpired:
+            # Deaf to SIGINT: it goes anyway, and its workers with it (each watches its
+            # parent: splitserve/lifeline.py).
+            p.kill()
+            p.wait()
+            raise AssertionError("`up` ignored SIGINT for 120 s: "
+                                 + err.read_text()[-3000:]) from None
+        assert rc == 0, err.read_text()[-3000:]
 
 
 def _readme_blocks(lang: str) -> list[str]:

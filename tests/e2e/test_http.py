@@ -175,7 +175,8 @@ def test_api_key_on_http_and_grpc(cl: ProcCluster) -> None:
     with pytest.raises(grpc.RpcError) as e:
         stub.Complete(req, timeout=10)
     assert e.value.code() == grpc.StatusCode.UNAUTHENTICATED
-    assert stub.Complete(req, timeout=30, metadata=[("authorization", f"Bearer {API_KEY}")])
+    done = stub.Complete(req, timeout=30, metadata=[("authorization", f"Bearer {API_KEY}")])
+    assert len(done.token_ids) == done.usage.completion_tokens >= 1 and done.text
 
 
 def _scrape(url: str) -> dict[str, float]:

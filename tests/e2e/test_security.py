@@ -12,6 +12,7 @@ environment (1 prefill + 1 decode, real engines), checked from outside.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -37,6 +38,7 @@ from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket, TransferId
+from splitserve.procstat import all_procs
 from splitserve.tls import TLSConfig, sync_channel
 from splitserve.v1 import (
     common_pb2,
@@ -91,16 +93,17 @@ def _environ(pid: int) -> dict[str, str]:
 
 
 def _cluster_procs(up_pid: int) -> dict[int, dict[str, str]]:
-    """Every process of the cluster (children of `up`, their vLLM engines) and its env."""
-    out = {}
-    for entry in Path("/proc").iterdir():
-        if entry.name.isdigit() and int(entry.name) != os.getpid():
-            try:
-                env = _environ(int(entry.name))
-            except OSError:
-                continue
-            if CLUSTER_TOKEN_ENV in env or int(entry.name) == up_pid:
-                out[int(entry.name)] = env
+    """Every process of this cluster and its env: `up` and its descendants (its components,
+    their vLLM engines), found by parent links, so another cluster on the host is not counted."""
+    children: dict[int, list[int]] = {}
+    for st in all_procs():
+        children.setdefault(st.ppid, []).append(st.pid)
+    out, todo = {}, [up_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        with contextlib.suppress(OSError):  # gone meanwhile
+            out[pid] = _environ(pid)
     return out
 
 
