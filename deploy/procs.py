@@ -136,19 +136,26 @@ class ProcessSet:
                 if p.popen.poll() is not None]
 
     def stop(self, grace_s: float = 30.0) -> None:
-        for group in ([p for p in self.procs if p.role is not None],
-                      [p for p in self.procs if p.role is None]):
-            for p in group:
-                p.terminate()
-            deadline = time.monotonic() + grace_s
-            for p in group:
-                try:
-                    p.popen.wait(max(deadline - time.monotonic(), 0.1))
-                except subprocess.TimeoutExpired:
-                    pass
+        # Workers first (they drain through the routers), then the routers.
+        self.stop_some([p for p in self.procs if p.role is not None], grace_s)
+        self.stop_some([p for p in self.procs if p.role is None], grace_s)
         for p in self.procs:  # whatever is left, and the engine children of everyone
             p.kill()
         shutil.rmtree(self.dir, ignore_errors=True)
+
+    @staticmethod
+    def stop_some(procs: list[Proc], grace_s: float = 30.0) -> None:
+        """SIGTERM each, wait up to `grace_s` for them all, then SIGKILL each whole group."""
+        for p in procs:
+            p.terminate()
+        deadline = time.monotonic() + grace_s
+        for p in procs:
+            try:
+                p.popen.wait(max(deadline - time.monotonic(), 0.1))
+            except subprocess.TimeoutExpired:
+                pass
+        for p in procs:
+            p.kill()
 
     def survivors(self) -> list[str]:
         """Names of children whose group still has a live process (engines included)."""

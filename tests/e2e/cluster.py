@@ -7,7 +7,6 @@ failing test can show, and `close()` asserts nothing survived.
 from __future__ import annotations
 
 import os
-import subprocess
 import tempfile
 import time
 from pathlib import Path
@@ -94,19 +93,6 @@ class ProcCluster(ProcessSet):
     def metrics(self, router: str) -> str:
         """The router's /metrics page."""
         return scrape.fetch(self.by_name[router].endpoints["http"] + "/metrics")
-
-    def retire(self, procs: list[Proc], grace_s: float = 30.0) -> None:
-        """Stop these processes (a test's own routers and workers) as `close` stops all: SIGTERM,
-        then SIGKILL to each whole group after `grace_s`."""
-        for p in procs:
-            p.terminate()
-        deadline = time.monotonic() + grace_s
-        for p in procs:
-            try:
-                p.popen.wait(max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                pass
-            p.kill()
 
     def close(self) -> None:
         for ch in self._channels:

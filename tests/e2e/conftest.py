@@ -107,7 +107,7 @@ def own_processes(request: pytest.FixtureRequest):
     c: ProcCluster = request.getfixturevalue("cl")
     before = len(c.procs)
     yield
-    c.retire(c.procs[before:])
+    c.stop_some(c.procs[before:])
 
 
 @pytest.fixture
