@@ -7,11 +7,14 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 FIELDS = ("pair_channel_gbps", "tcp_loopback_gbps", "memcpy_gbps", "connector_gbps",
           "connector_shm_gbps", "pair_vs_tcp", "shm_vs_pair")
 
 
+@pytest.mark.budget(20)  # a producer process and transfers up to its largest size
 def test_kv_transfer_bench_reports_one_positive_row(tmp_path: Path) -> None:
     out = tmp_path / "kv_transfer.json"
     proc = subprocess.run(

@@ -249,6 +249,7 @@ def test_a_stalled_producer_does_not_delay_pulls_from_another(producers, consume
     assert [(r.req_id, r.ok) for r in results_of(c, 1)] == [("s1", True)]
 
 
+@pytest.mark.budget(20)  # it waits out one transfer timeout (5 s) by design
 def test_a_hung_producer_costs_one_timeout_not_one_per_in_step_load(producers, consumers,
                                                                      caplog) -> None:
     """An in-step load makes the decode batch wait. Once a load from a hung producer (frozen:
