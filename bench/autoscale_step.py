@@ -21,7 +21,6 @@ import asyncio
 import json
 import os
 import secrets
-import socket
 import tempfile
 import threading
 import time
@@ -33,12 +32,6 @@ from bench.metrics import SLO
 from bench.workload import synthetic
 from deploy.ray.config import AutoscaleConfig
 from splitserve.models import resolve_model
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def schedule(phases: list[tuple[float, float]], seed: int) -> tuple[list[float], list[int]]:
@@ -70,8 +63,8 @@ def run_one(name: str, size: tuple[int, int], a: argparse.Namespace,
             autoscale: AutoscaleConfig | None, specs, times, phase_of) -> dict:
     from deploy.ray.api import deploy
 
-    d = deploy(a.model, *size, name=name, host="127.0.0.1", grpc_port=_free_port(),
-               cluster_port=_free_port(), http_port=_free_port(), autoscale=autoscale,
+    d = deploy(a.model, *size, name=name, host="127.0.0.1", grpc_port=0,
+               cluster_port=0, http_port=0, autoscale=autoscale,
                engine_args=tuple(a.engine_args.split()))
     sizes: list[tuple[float, int, int]] = []
     stop = threading.Event()

@@ -13,8 +13,9 @@ worker.
 
 Without a prefix (a prompt shorter than a block) or past the bound:
 - prefill: the least queued prompt tokens (the router's own in flight on the worker, plus the
-  worker's reported queue at the mean prompt), not the fewest requests: a 2,000-token prompt
-  costs a prefill worker twenty 100-token ones.
+  requests in the worker's reported queue that are not ours, each counted at this prompt's
+  length), not the fewest requests: a 2,000-token prompt costs a prefill worker twenty
+  100-token ones.
 - decode: power of two choices -- sample two live decode workers, take the one with more free
   KV blocks net of what the router already sent it, then fewer running requests. Two random
   probes avoid the herd that "always the least loaded" causes when load reports lag a burst.

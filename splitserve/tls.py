@@ -72,7 +72,8 @@ class TLSConfig:
 
     # -- HTTP (uvicorn, Prometheus) ------------------------------------------------------------
     def client_context(self) -> ssl.SSLContext:
-        """For HTTPS clients (tests, `splitserve bench`): verify the server against the CA."""
+        """For HTTPS clients (the tests; `bench` over TLS is planned): verify the server against the
+        CA."""
         ctx = ssl.create_default_context(cafile=self.ca)
         if self.cert and self.key:
             ctx.load_cert_chain(self.cert, self.key)

@@ -21,7 +21,8 @@ import time
 from deploy import security_flags as sec
 from splitserve.kv.settings import KV_DEFAULTS
 
-# Passed on only when given: a worker's own default is then the one in force (one place).
+# The engine flags `ray up` hands every worker; one whose default is None is passed only when
+# given, so the worker's own default is in force.
 _ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
                  ("--block-size", int, 128), ("--kv-cache-mib", int, 256),
                  ("--max-num-seqs", int, 64), ("--kv-cache-dtype", str, "auto"),

@@ -10,5 +10,13 @@ Modules, in the order a transfer touches them:
   layered.py       a decode step's scatter beside the forward pass that reads it (opt-in).
   pair_channel.py  one 2-rank gloo/NCCL process group per (producer, consumer) pair.
   wire.py          side-channel framing and peer authentication.
+  link.py          one side-channel connection's way for the bulk bytes, on either end.
+  shm.py           the same-host path: a pull's bytes through a shared-memory segment.
   stats.py         per-transfer bytes/seconds/failures, shipped to the API process via vLLM.
+And the records and books around them:
+  ticket.py        the transfer contract: the KV of request R is held on producer P.
+  settings.py      kv_connector_extra_config, typed.
+  transfers.py     the producer's book of transfers: what it holds, for whom, what became of it.
+  board.py         the producer's transfer counts in a small shared file.
+  control.py       release of held KV from the prefill worker's server, through the engine.
 """
