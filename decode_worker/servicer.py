@@ -23,11 +23,12 @@ from collections.abc import AsyncIterator
 import grpc
 
 from decode_worker.session import Session
+from splitserve import finish
 from splitserve.engine import token_prompt
 from splitserve.kv.ticket import KVTicket
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.worker.convert import finish_reason_to_proto, sampling_to_vllm
+from splitserve.worker.convert import sampling_to_vllm
 from splitserve.worker.core import WorkerCore, rpc_errors
 from splitserve.worker.errors import PermissionDenied
 
@@ -82,7 +83,7 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
                     chunk.logprobs.extend(float(lp[t].logprob) for t, lp in
                                           zip(output.token_ids, output.logprobs))
                 if output.finish_reason is not None:
-                    chunk.finish_reason = finish_reason_to_proto(output.finish_reason)
+                    chunk.finish_reason = finish.to_proto(output.finish_reason)
                     now = time.perf_counter()
                     first = t_first or now
                     # With pulled KV, the wait before the first token is the transfer (plus

@@ -11,15 +11,15 @@ The request never decodes here; if its first token already ends it (EOS), nothin
 from __future__ import annotations
 
 import time
-import uuid
 
 import grpc
 
+from splitserve import finish
 from splitserve.engine import token_prompt
 from splitserve.kv.control import kv_release
-from splitserve.kv.ticket import KVTicket, TransferId, produce_params
+from splitserve.kv.ticket import KVTicket, produce_params, transfer_id_or_new
 from splitserve.v1 import common_pb2, worker_pb2, worker_pb2_grpc
-from splitserve.worker.convert import finish_reason_to_proto, first_logprob, sampling_to_vllm
+from splitserve.worker.convert import first_logprob, sampling_to_vllm
 from splitserve.worker.core import WorkerCore, rpc_errors
 
 SERVICE = worker_pb2.DESCRIPTOR.services_by_name["PrefillWorker"].full_name
@@ -45,7 +45,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 # asking for more than one token).
                 wants_decode = (not request.sampling.HasField("max_tokens")
                                 or request.sampling.max_tokens > 1)
-                tid = TransferId(request.transfer_id or uuid.uuid4().hex)
+                tid = transfer_id_or_new(request.transfer_id)
                 params = sampling_to_vllm(
                     request.sampling, max_tokens=1, min_tokens=min(request.sampling.min_tokens, 1),
                     kv_transfer_params=produce_params(tid) if wants_decode else None)
@@ -64,7 +64,7 @@ class PrefillServicer(worker_pb2_grpc.PrefillWorkerServicer):
                 if final.kv_transfer_params:
                     resp.ticket.CopyFrom(KVTicket.from_vllm(final.kv_transfer_params).to_proto())
                 elif output.finish_reason != "length" or not wants_decode:
-                    resp.finish_reason = finish_reason_to_proto(output.finish_reason)
+                    resp.finish_reason = finish.to_proto(output.finish_reason)
                 return resp
 
     async def Release(self, request: worker_pb2.ReleaseRequest,

@@ -26,12 +26,11 @@ from router.generation import GenerationService
 from router.ids import new_id
 from router.metrics import RequestTrace
 from router.slo import Overloaded
+from splitserve import finish
 from splitserve.credentials import matches
-from splitserve.v1 import common_pb2, generation_pb2
+from splitserve.v1 import generation_pb2
 
 T = TypeVar("T")
-FINISH = {common_pb2.FINISH_REASON_LENGTH: "length", common_pb2.FINISH_REASON_STOP: "stop",
-          common_pb2.FINISH_REASON_ABORT: "abort", common_pb2.FINISH_REASON_ERROR: "error"}
 
 
 class ApiError(Exception):
@@ -255,7 +254,7 @@ async def _run(service: GenerationService, request: Request,
         return StreamingResponse(_sse(first, chunks, rid, created, service.served_model, chat,
                                       usage, trace), media_type="text/event-stream")
     text, last = await _unless_gone(request, _collect(first, chunks, trace), chunks)
-    choice: dict[str, Any] = {"index": 0, "finish_reason": FINISH.get(last.finish_reason),
+    choice: dict[str, Any] = {"index": 0, "finish_reason": finish.to_word(last.finish_reason),
                               "logprobs": None}
     if chat:
         choice["message"] = {"role": "assistant", "content": text}
@@ -358,10 +357,10 @@ async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str,
             {"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None}]})
 
     def event(c) -> str:
-        finish = FINISH.get(c.finish_reason) if c.HasField("finish_reason") else None
-        choice: dict[str, Any] = {"index": 0, "finish_reason": finish, "logprobs": None}
+        word = finish.to_word(c.finish_reason) if c.HasField("finish_reason") else None
+        choice: dict[str, Any] = {"index": 0, "finish_reason": word, "logprobs": None}
         if chat:
-            choice["delta"] = {"content": c.text} if c.text or not finish else {}
+            choice["delta"] = {"content": c.text} if c.text or not word else {}
         else:
             choice["text"] = c.text
         return _event({"id": rid, "object": obj, "created": created, "model": model,

@@ -13,12 +13,10 @@ from typing import TextIO
 
 import grpc
 
+from splitserve import finish
 from splitserve.credentials import bearer
 from splitserve.tls import TLSConfig, sync_channel
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
-
-FINISH = {v.number: v.name.removeprefix("FINISH_REASON_").lower()
-          for v in common_pb2.FinishReason.DESCRIPTOR.values}
 
 Turn = tuple[str, str]  # (role, content)
 
@@ -54,7 +52,8 @@ def stream(stub: generation_pb2_grpc.GenerationStub, request: generation_pb2.Gen
         # prefill worker did the prompt: it is how a user sees the disaggregated path.
         split = (f"; disaggregated: prefill {t.prefill_s * 1e3:.0f} ms, KV hand-off "
                  f"{t.transfer_s * 1e3:.0f} ms" if t.transfer_s > 0 else "")
-        print(f"[{FINISH[last.finish_reason]}; {last.usage.prompt_tokens} prompt + "
+        reason = finish.to_word(last.finish_reason) or "unspecified"
+        print(f"[{reason}; {last.usage.prompt_tokens} prompt + "
               f"{last.usage.completion_tokens} completion tokens; ttft {t.ttft_s * 1e3:.0f} ms, "
               f"e2e {t.e2e_s * 1e3:.0f} ms{split}]", file=sys.stderr, flush=True)
     return "".join(text)

@@ -43,18 +43,6 @@ def sampling_to_vllm(sp: common_pb2.SamplingParams, *, max_tokens: int | None = 
     )
 
 
-FINISH_REASONS = {
-    "length": common_pb2.FINISH_REASON_LENGTH,
-    "stop": common_pb2.FINISH_REASON_STOP,
-    "abort": common_pb2.FINISH_REASON_ABORT,
-    "error": common_pb2.FINISH_REASON_ERROR,
-}
-
-
-def finish_reason_to_proto(reason: str | None) -> int:
-    return FINISH_REASONS.get(reason or "", common_pb2.FINISH_REASON_UNSPECIFIED)
-
-
 def first_logprob(output: Any) -> float | None:
     """Logprob of the sampled token of a one-token output, when logprobs were requested."""
     if not output.logprobs:
