@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import logging
 import time
-import uuid
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -195,8 +194,7 @@ class SplitServeConnector(KVConnectorBase_V1):
             # Only a request cut at max_tokens=1 goes on to decode; EOS, abort or error: free now.
             if request.status != RequestStatus.FINISHED_LENGTH_CAPPED or not block_ids:
                 return False, None
-            # A caller that did not choose an id (the router always does) gets a fresh one.
-            tid = produced_transfer_id(params) or TransferId(uuid.uuid4().hex)
+            tid = produced_transfer_id(params)
             self._to_hold.append(HoldJob(tid, request.request_id, list(block_ids)))
             ticket = KVTicket(tid, self.engine_id, self.settings.host, self._side_channel_port,
                               tuple(block_ids), request.num_computed_tokens,

@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import hmac
 import time
+import uuid
 from dataclasses import asdict, dataclass, replace
 from typing import Any, NewType
 
@@ -107,7 +108,12 @@ def produce_params(transfer_id: TransferId) -> dict[str, Any]:
     return {PRODUCE: True, _TRANSFER_ID: transfer_id}
 
 
-def produced_transfer_id(params: dict[str, Any]) -> TransferId | None:
-    """The router-chosen id of a prefill request, or None when it was not given one."""
-    tid = params.get(_TRANSFER_ID)
-    return TransferId(str(tid)) if tid else None
+def produced_transfer_id(params: dict[str, Any]) -> TransferId:
+    """The router-chosen id of a prefill request (`transfer_id_or_new` when it has none)."""
+    return transfer_id_or_new(params.get(_TRANSFER_ID))
+
+
+def transfer_id_or_new(given: object) -> TransferId:
+    """The id the caller chose, or a fresh one for a caller that chose none (the router always
+    chooses: it is how it releases KV it will not pull)."""
+    return TransferId(str(given)) if given else TransferId(uuid.uuid4().hex)

@@ -6,7 +6,13 @@ import dataclasses
 
 import pytest
 
-from splitserve.kv.ticket import KVTicket, TransferId, produce_params, produced_transfer_id
+from splitserve.kv.ticket import (
+    KVTicket,
+    TransferId,
+    produce_params,
+    produced_transfer_id,
+    transfer_id_or_new,
+)
 from splitserve.v1 import common_pb2
 
 TICKET = KVTicket(TransferId("req-1-ab12cd34"), "prefill-0", "10.0.0.7", 40123, (5, 9, 2), 300,
@@ -46,7 +52,10 @@ def test_an_empty_proto_is_not_a_ticket() -> None:
 
 def test_produce_params_carry_the_router_chosen_id() -> None:
     assert produced_transfer_id(produce_params(TransferId("t-9"))) == "t-9"
-    assert produced_transfer_id({"do_remote_decode": True}) is None
+    # No id chosen (a caller other than the router): a fresh one each time, never a shared one.
+    a, b = (produced_transfer_id({"do_remote_decode": True}) for _ in range(2))
+    assert a != b and len(a) == 32
+    assert transfer_id_or_new("") != transfer_id_or_new("") and transfer_id_or_new("x") == "x"
 
 
 def test_a_voucher_covers_every_field_and_only_its_key() -> None:
