@@ -20,7 +20,10 @@ import os
 import struct
 from pathlib import Path
 
-FIELDS = ("held", "claimed", "sent", "released", "expired", "failed", "held_blocks")
+from splitserve.kv.transfers import TransferState
+
+# A count per transfer state (its label: one spelling, the enum's), then the blocks held.
+FIELDS = (*(s.label for s in TransferState), "held_blocks")
 _FMT = struct.Struct(f"<{1 + len(FIELDS)}q")
 _SEQ = struct.Struct("<q")
 
