@@ -1,11 +1,13 @@
 """Last e2e module (files run in name order): faults, one after another, on the shared cluster.
 
 In order: a decode worker SIGKILLed mid-stream (the stream migrates: token for token what an
-unfailed run gives); D0 frozen with SIGSTOP past the heartbeat timeout under load, then thawed;
-graceful drain on SIGTERM of a router and of decode worker D1 mid-stream (every token, the finish
-reason, then gone); prefill worker P1 SIGKILLed under load; router A SIGKILLed and restarted on
-its address while the workers keep running. Under load, every answer must equal the unfailed
-run's or end with a documented status; none may hang.
+unfailed run gives); the decode worker serving a stream frozen with SIGSTOP past the heartbeat
+timeout under load, then thawed; graceful drain on SIGTERM of a router and of decode worker D1
+mid-stream (every token, the finish reason, then gone); prefill worker P1 SIGKILLed under load;
+router A SIGKILLed and restarted on its address while the workers keep running. Under load with
+a worker of each pool left, every answer must equal the unfailed run's: a status is a lost
+request, and none may hang. Each test reads the worker counts it expects from the router, so
+any one also runs alone.
 """
 
 from __future__ import annotations
@@ -200,7 +202,12 @@ def test_sigstop_worker_past_heartbeat_timeout_under_load(cl: ProcCluster,
         frozen_at = time.monotonic()
         try:
             wait_models(cl, "A", full[0], full[1] - 1)  # dropped after the 10 s timeout
-            load.wait_for(frozen_at, 3)  # served by the other decode worker meanwhile
+            # Served by the other decode worker meanwhile: a request of its own, not the load's
+            # (every load client may be waiting on the frozen worker, and waiting for them to
+            # time out would be the failure this test looks for: a CI run lost 3 that way).
+            served = _stream(stub, _request(prompts[0], max_tokens=len(want[0]),
+                                             ignore_eos=True), timeout=60)[0]
+            assert served == want[0]
         finally:
             victim.popen.send_signal(signal.SIGCONT)
         thawed = time.monotonic()
@@ -210,7 +217,7 @@ def test_sigstop_worker_past_heartbeat_timeout_under_load(cl: ProcCluster,
     for chunk in long_:
         got += chunk.token_ids
     assert got == lone_want  # waited through the freeze: every token, in order
-    load.check(frozen_at, after_at_least=6)
+    load.check(frozen_at, after_at_least=3)
     assert _migrations(cl, "A") == moved  # waited, not moved
 
 
