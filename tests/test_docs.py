@@ -69,15 +69,20 @@ def _families(registry: CollectorRegistry) -> dict[str, str]:
     return {m.name: m.type for m in registry.collect()}
 
 
-def _exported() -> set[str]:
-    """The names a scrape can show: each family's, and its samples' (`_total`, `_bucket`...)."""
+def _router_families() -> dict[str, str]:
+    """The router's metric families, from its real registry."""
     from router.connections import ConnectionMetrics
     from router.metrics import RouterMetrics
 
     reg = CollectorRegistry()
     RouterMetrics(reg, "m")
     ConnectionMetrics(reg, "m")
-    families = _families(reg)
+    return _families(reg)
+
+
+def _exported() -> set[str]:
+    """The names a scrape can show: each family's, and its samples' (`_total`, `_bucket`...)."""
+    families = _router_families()
     # The worker's collector reads a live engine at scrape time (loading its module loads
     # vLLM): its families are read from the source, in the spelling the router's check below
     # holds to its real registry.
@@ -94,15 +99,9 @@ def _exported() -> set[str]:
 def test_the_source_scan_reads_the_router_as_its_registry_does() -> None:
     """The worker's names come from a scan of its source: the same scan of the router's source
     must find exactly what the router's registry holds."""
-    from router.connections import ConnectionMetrics
-    from router.metrics import RouterMetrics
-
-    reg = CollectorRegistry()
-    RouterMetrics(reg, "m")
-    ConnectionMetrics(reg, "m")
     src = "".join((ROOT / f).read_text() for f in ("router/metrics.py", "router/connections.py"))
     scanned = set(re.findall(r'(?:Counter|Gauge|Histogram)\(\s*"(splitserve:[a-z0-9_]+)"', src))
-    assert scanned == set(_families(reg))
+    assert scanned == set(_router_families())
 
 
 def test_every_metric_the_docs_and_dashboard_name_is_exported() -> None:
