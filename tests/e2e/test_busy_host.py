@@ -3,10 +3,11 @@ hog (about a third of a core, not pinned), as a load tool and a sidecar on a rea
 
 The bounds are relative, from the same run: the median first token at most 1.5x the same
 client's alone (prompts of the same length, never cached); the longest gap between two events
-of any stream at most 4x the median gap (after the hand-off's). With vLLM's own one-second spin
-of its engines' queue readers (`SPLITSERVE_ENGINE_SPIN_S=1`, splitserve/engine_spin.py) both
-cores stay busy with yields that only the cluster's own session gets, and such a client read each
-stream's tokens all at once, 1-2 s late: both bounds fail.
+of any stream at most 20x the median gap (after the hand-off's; 4x failed a clean-clone CI run
+at 53 ms against a 9.6 ms median, while the stall it catches is 1-2 s, over 100x). With
+vLLM's own one-second spin of its engines' queue readers (`SPLITSERVE_ENGINE_SPIN_S=1`,
+splitserve/engine_spin.py) both cores stay busy with yields that only the cluster's own session
+gets, and such a client read each stream's tokens all at once, 1-2 s late: both bounds fail.
 """
 
 from __future__ import annotations
@@ -62,4 +63,4 @@ def test_streams_beside_a_cpu_hog_neither_stall_nor_slow_down(cl: ProcCluster,
               f"{1e3 * median:.1f} ms, longest {1e3 * longest:.1f} ms")
     print(f"[{router}] {report}")
     assert ratio <= 1.5, report
-    assert longest <= 4 * median, report
+    assert longest <= 20 * median, report
