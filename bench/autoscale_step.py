@@ -28,10 +28,10 @@ from pathlib import Path
 
 from bench.arrivals import arrival_times
 from bench.client import GrpcTarget, run_load
-from bench.metrics import SLO
 from bench.workload import synthetic
 from deploy.ray.config import AutoscaleConfig
 from splitserve.models import resolve_model
+from splitserve.slo import SLO
 
 
 def schedule(phases: list[tuple[float, float]], seed: int) -> tuple[list[float], list[int]]:

@@ -33,7 +33,6 @@ import tempfile
 from pathlib import Path
 
 from bench.host import machine
-from bench.metrics import SLO
 from bench.vs_vllm import (
     check_workload,
     drive,
@@ -46,6 +45,7 @@ from deploy.procs import ProcessSet
 from splitserve import scrape
 from splitserve.models import resolve_model
 from splitserve.roles import Role
+from splitserve.slo import SLO
 
 # name: (engines' roles, router flags); "vllm" is plain vLLM, one engine.
 DEPLOYMENTS = {

@@ -124,10 +124,11 @@ def _rows(results) -> list[dict]:
 async def bench(a: argparse.Namespace) -> dict:
     from bench.arrivals import arrival_times
     from bench.client import GrpcTarget, HttpTarget, run_load
-    from bench.metrics import SLO, max_goodput_rate, summarize
+    from bench.metrics import max_goodput_rate, summarize
     from bench.workload import RequestSpec
     from router.text import RouterTokenizer
     from splitserve.models import resolve_model
+    from splitserve.slo import SLO
 
     tokenizer = RouterTokenizer(resolve_model(a.model))
     specs = build_workload(a, tokenizer)

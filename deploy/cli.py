@@ -4,14 +4,14 @@
   router      the router alone          prefill / decode / colocated   one worker each
   generate    stream a completion from a router          chat   talk to it, with history
   fetch-model the default real model (SmolLM2-135M-Instruct) into the cache
-  bench       SLO-driven load test (goodput, attainment, plots)
-  plan        recommend prefill:decode worker counts from bench results
+  bench       SLO-driven load test (goodput, attainment, plots)    (registered by bench/)
+  plan        recommend prefill:decode worker counts from bench results      (likewise)
   generate-local   one in-process engine, no cluster
   make-tiny-model  write the generated test model (random weights)
   ray up|scale|status|down   a deployment on a Ray cluster (deploy/ray/)
 Every flag has a default that works on a laptop; flags are turned into the components' frozen
 config dataclasses here and nowhere else. This module is the composition layer's front (deploy/):
-it may import every package; nothing below imports it.
+it may import every package but bench/ (which sits above it); nothing below imports it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,16 @@ import json
 import logging
 import os
 import sys
+from importlib.metadata import entry_points
 from pathlib import Path
 
 from deploy import security_flags as sec
 from splitserve import lifeline
 from splitserve.kv.settings import KV_DEFAULTS, LOADS, TRANSPORTS
 from splitserve.roles import Role
+
+# Subcommands that packages above this one add (pyproject.toml's entry points of this group).
+COMMANDS = "splitserve.commands"
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
@@ -253,18 +257,6 @@ def _fetch_model(a: argparse.Namespace) -> int:
     return run(a)
 
 
-def _bench(a: argparse.Namespace) -> int:
-    from bench.run import main
-
-    return main(a)
-
-
-def _plan(a: argparse.Namespace) -> int:
-    from bench.planner import main
-
-    return main(a)
-
-
 def _make_tiny_model(a: argparse.Namespace) -> int:
     from splitserve.tiny_model import write_model
 
@@ -437,17 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     gl.add_argument("--dtype", default="auto")
     gl.set_defaults(func=_generate_local)
 
-    b = sub.add_parser("bench", help="SLO-driven load test against a router")
-    from bench.run import add_arguments
-
-    add_arguments(b)
-    b.set_defaults(func=_bench)
-
-    pl = sub.add_parser("plan", help="recommend prefill:decode counts from measured profiles")
-    from bench.planner import add_arguments as plan_arguments
-
-    plan_arguments(pl)
-    pl.set_defaults(func=_plan)
+    for command in entry_points(group=COMMANDS):  # bench/ registers `bench` and `plan`
+        command.load()(sub)
 
     from deploy.ray.cli import add_parser as add_ray_parser  # Ray itself loads only in a job
 

@@ -1,6 +1,8 @@
 """The layers hold: the core imports nothing above it, and the router process never loads torch.
 
-  deploy/, bench/                 composition and tools: may import anything
+  bench/                          load tests and planning: may import anything but tests/
+  deploy/                         composition: may import anything below bench/ (bench/ adds its
+                                  subcommands through an entry point, bench/commands.py)
   router/, prefill_worker/,       the components: import only the core (and not each other)
   decode_worker/
   splitserve/                     the core: imports none of the above
@@ -33,6 +35,8 @@ FORBIDDEN = {
     "router": ABOVE_CORE - {"router"} | {"torch", "vllm", "transformers", "ray"},
     "prefill_worker": ABOVE_CORE - {"prefill_worker"},
     "decode_worker": ABOVE_CORE - {"decode_worker"},
+    "deploy": {"bench", "tests"},
+    "bench": {"tests"},
 }
 
 

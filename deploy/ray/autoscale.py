@@ -8,7 +8,7 @@ Lifecycle of one tick (every `interval_s`, a thread of the controller):
   decide   `decide()` — a pure function, unit-tested on synthetic signals — gives each pool its
            next size: grow when its SLO is missed (prefill: TTFT, or a queue behind; decode:
            TPOT, or the KV cache full), shrink one at a time when comfortably inside it, and
-           never below what the planner's model (bench/planner.py, from `splitserve plan`'s
+           never below what the planner's model (splitserve/planner.py, from `splitserve plan`'s
            measured profile) says the observed rate needs; within bounds, one change per pool
            per `cooldown_s`;
   act      `controller.scale(...)`, which starts new workers before it drains old ones.
@@ -129,8 +129,8 @@ def plan_sizes(profile, cfg: AutoscaleConfig, s: Signals) -> tuple[int, int] | N
     """The planner's fewest workers for the observed rate and lengths (None: no rate yet)."""
     if profile is None or s.rate <= 0 or s.mean_output < 1:
         return None
-    from bench.metrics import SLO
-    from bench.planner import cheapest, simulate
+    from splitserve.planner import cheapest, simulate
+    from splitserve.slo import SLO
 
     slo = SLO(ttft_ms=cfg.ttft_slo_s * 1e3, tpot_ms=cfg.tpot_slo_s * 1e3)
     work = [(max(int(s.mean_prompt), 1), max(int(s.mean_output), 1))]
@@ -192,7 +192,7 @@ class Autoscaler:
         self.controller, self.cfg = controller, cfg
         self.profile = None
         if cfg.profile is not None:
-            from bench.planner import Profile
+            from splitserve.planner import Profile
 
             self.profile = Profile.from_dict(cfg.profile)
         self.samples: deque[Sample] = deque()

@@ -120,15 +120,15 @@ def _config_options(a: argparse.Namespace) -> dict:
 def _autoscale_of(a: argparse.Namespace):
     if not a.autoscale:
         return None
-    from bench.metrics import SLO
     from deploy.ray.config import AutoscaleConfig
+    from splitserve.slo import SLO
 
     slo = SLO.parse(a.slo)
     if slo.ttft_ms is None or slo.tpot_ms is None:
         raise ValueError("--autoscale needs --slo with both ttft and tpot")
     profile = None
     if a.plan_from:
-        from bench.planner import load_profile_from_results
+        from splitserve.planner import load_profile_from_results
 
         profile = load_profile_from_results(a.plan_from).to_dict()
     return AutoscaleConfig(min_prefill=a.min_prefill, max_prefill=a.max_prefill,

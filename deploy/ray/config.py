@@ -33,7 +33,7 @@ class AutoscaleConfig:
     scale_down_ratio: float = 0.5  # a pool shrinks only when its signal is below ratio * SLO
     queue_per_worker: float = 4.0  # prefill: waiting requests per worker that count as behind
     kv_high: float = 0.85  # decode: KV cache usage that counts as full
-    # bench/planner.py Profile fields (`splitserve plan`'s fit of measured runs): pools are
+    # splitserve/planner.py Profile fields (`splitserve plan`'s fit of measured runs): pools are
     # then never smaller than the planner's fewest workers for the observed rate.
     profile: dict[str, float] | None = None
 

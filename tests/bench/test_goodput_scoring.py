@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from bench.goodput import attainment, summarize
-from bench.metrics import SLO
+from splitserve.slo import SLO
 
 
 def _req(ok: bool, ttft_s: float | None, tpot_s: float | None) -> dict:

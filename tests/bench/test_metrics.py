@@ -9,13 +9,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from bench.metrics import (
-    SLO,
     RequestResult,
     max_goodput_rate,
     streams_at_first_token,
     summarize,
 )
 from bench.pool_options import handoff
+from splitserve.slo import SLO
 
 
 def _runs() -> list[RequestResult]:

@@ -9,18 +9,17 @@ from statistics import median
 
 import pytest
 
-from bench.metrics import SLO
-from bench.planner import (
+from bench.planner import add_arguments, main
+from splitserve.planner import (
     Profile,
-    add_arguments,
     cheapest,
     fit_profile,
     load_profile_from_results,
     load_rows,
-    main,
     recommend,
     simulate,
 )
+from splitserve.slo import SLO
 
 # 0.1 s per prefill: one prefill worker serves at most 10 req/s.
 SLOW_PREFILL = Profile(prefill_base_s=0.02, prefill_per_token_s=0.0008, decode_base_s=0.005,

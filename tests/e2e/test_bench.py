@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
-from bench.metrics import SLO, max_goodput_rate
+from bench.metrics import max_goodput_rate
 from bench.run import add_arguments, bench
+from splitserve.slo import SLO
 from tests.e2e.cluster import ProcCluster
 from tests.e2e.conftest import registered
 
@@ -65,7 +66,7 @@ def test_short_sweep_writes_json_and_plots(cl: ProcCluster, tiny_model_dir: Path
 # measured 69 ms). How close the planner comes is a benchmark's question: docs/benchmarks.md.
 def test_planner_fits_and_simulates_a_measured_run(cl: ProcCluster, tiny_model_dir: Path,
                                                    tmp_path: Path) -> None:
-    from bench.planner import load_profile_from_results, load_rows, simulate
+    from splitserve.planner import load_profile_from_results, load_rows, simulate
 
     b = cl.by_name["B"]  # 1 prefill + 1 decode
     common = ["--router", b.address, "--model", str(tiny_model_dir), "--input-len",

@@ -19,7 +19,6 @@ import ray
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import GaugeMetricFamily
 
-from bench.planner import Profile
 from deploy.ray import autoscale
 from deploy.ray.autoscale import (
     Autoscaler,
@@ -33,6 +32,7 @@ from deploy.ray.autoscale import (
 )
 from deploy.ray.config import AutoscaleConfig
 from router.metrics import RouterMetrics
+from splitserve.planner import Profile
 from splitserve.roles import Role
 
 CFG = AutoscaleConfig(min_prefill=1, max_prefill=3, min_decode=1, max_decode=3, ttft_slo_s=0.5,
