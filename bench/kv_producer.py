@@ -12,7 +12,9 @@ it. One JSON command per line in, one JSON reply per line out:
                             "arena": its hold arena's name or None, "arena_free": its free bytes}
   {"op": "quit"}
 The configuration is JSON in argv, except the shared secret: it goes in $SPLITSERVE_KV_SECRET,
-as a worker's engine gets it, because a command line is readable by every user of the host.
+as a worker's engine gets it, because a command line is readable by every user of the host;
+and a test's faults (a stall mid-transfer, to kill it there), which go in $SPLITSERVE_FAULTS as
+they do for an engine (splitserve/faults.py).
 `ProducerProc` is the parent's handle on such a process.
 """
 
@@ -29,6 +31,7 @@ from typing import Any
 
 import torch
 
+from splitserve.faults import FAULTS_ENV, Faults
 from splitserve.kv.producer import Producer
 from splitserve.kv.settings import KV_DEFAULTS, KV_SECRET_ENV, ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
@@ -43,7 +46,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULTS: dict[str, Any] = {
     "num_layers": 3, "num_blocks": 16, "shape": [2, 32, 128], "dtype": "bfloat16", "model": "m",
     "block_size": 32, "seed": 7, "engine_id": "fake-p", "port": 0, "copy_out": False,
-    "lease_s": 30.0, "timeout_s": 5.0, "secret": None, "stall_before_send_s": 0.0,
+    "lease_s": 30.0, "timeout_s": 5.0, "secret": None,
     "max_connections": 64, "cache_dtype": "auto", "transport": "auto",
     "hold_arena_mib": KV_DEFAULTS.hold_arena_mib}
 
@@ -63,7 +66,6 @@ def caches_of(cfg: dict[str, Any], seed: int | None = None) -> dict[str, torch.T
 def settings_of(cfg: dict[str, Any], secret: str | None) -> ConnectorSettings:
     return ConnectorSettings(side_channel_port=cfg["port"], lease_s=cfg["lease_s"],
                              timeout_s=cfg["timeout_s"], secret=secret,
-                             stall_before_send_s=cfg["stall_before_send_s"],
                              max_connections=cfg["max_connections"],
                              transport=cfg["transport"],
                              hold_arena_mib=cfg["hold_arena_mib"])
@@ -101,14 +103,15 @@ def main(cfg: dict[str, Any]) -> None:
 
 
 class ProducerProc:
-    """A producer process, started with DEFAULTS updated by `overrides`."""
+    """A producer process, started with DEFAULTS updated by `overrides`, and `faults`."""
 
-    def __init__(self, **overrides: Any) -> None:
+    def __init__(self, faults: Faults | None = None, **overrides: Any) -> None:
         unknown = set(overrides) - set(DEFAULTS)
         assert not unknown, f"unknown producer settings {unknown}"
         self.cfg = {**DEFAULTS, **overrides}
         public = {k: v for k, v in self.cfg.items() if k != "secret"}
-        env = {k: v for k, v in os.environ.items() if k != KV_SECRET_ENV}
+        env = {k: v for k, v in os.environ.items() if k not in (KV_SECRET_ENV, FAULTS_ENV)}
+        env.update(faults.to_env() if faults else {})
         if self.cfg["secret"]:
             env[KV_SECRET_ENV] = self.cfg["secret"]
         self.proc = subprocess.Popen([sys.executable, "-m", "bench.kv_producer",

@@ -39,6 +39,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 from vllm.v1.request import RequestStatus
 
+from splitserve import faults
 from splitserve.kv.consumer import Consumer, PullJob
 from splitserve.kv.layered import LayeredScatter
 from splitserve.kv.producer import Producer
@@ -108,6 +109,7 @@ class SplitServeConnector(KVConnectorBase_V1):
         super().__init__(vllm_config, role, kv_cache_config)
         ktc = vllm_config.kv_transfer_config
         self.settings = ConnectorSettings.from_extra(dict(ktc.kv_connector_extra_config or {}))
+        self._faults = faults.for_host(self.settings.host)
         self.engine_id = ktc.engine_id
         self.is_producer = ktc.is_kv_producer
         self.is_consumer = ktc.is_kv_consumer
@@ -170,7 +172,7 @@ class SplitServeConnector(KVConnectorBase_V1):
         if len(remote) != len(local):
             log.error("request %s: %d fresh blocks but the producer holds only %d to match",
                       request.request_id, len(local), len(remote))
-        corrupt = (self.settings.allow_fault_injection
+        corrupt = (self._faults.corrupt_on_request
                    and request.kv_transfer_params.get("fault") == "corrupt")
         pulled = list(local)[:len(remote)]
         # In-step: the pulled block the step also writes (the first new token's slot), if the
@@ -258,8 +260,7 @@ class SplitServeConnector(KVConnectorBase_V1):
             elif job is beside:
                 # The last one: the forward overlaps its scatter (the others are in place by
                 # then; loads from one producer take turns, so only one can run beside it).
-                self._layered = (job, *self.consumer.load_layered(job,
-                                                                  self.settings.layer_stall_s))
+                self._layered = (job, *self.consumer.load_layered(job))
             elif not self.consumer.load_now(job):
                 self._load_errors.update(job.local_block_ids)
         for ticket in meta.release:

@@ -41,6 +41,7 @@ from dataclasses import dataclass
 
 import torch
 
+from splitserve import faults
 from splitserve.kv import blocks
 from splitserve.kv.layered import LayeredScatter, leave_engine_cores
 from splitserve.kv.link import Link
@@ -129,6 +130,7 @@ class Consumer:
         self.engine_id = engine_id
         self.settings = settings
         self.stats = stats
+        self._faults = faults.for_host(settings.host)
         self._kv: dict[str, torch.Tensor] = {}
         self._spec: KVSpec | None = None
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="kv-pull")
@@ -162,13 +164,12 @@ class Consumer:
         blocks); False when it failed, and the caller reports the blocks as not loaded."""
         return self._load(job) is None
 
-    def load_layered(self, job: PullJob, stall_s: float = 0.0
-                     ) -> tuple[LayeredScatter, Future[str | None]]:
+    def load_layered(self, job: PullJob) -> tuple[LayeredScatter, Future[str | None]]:
         """Start pulling `job` beside the engine's thread, scattering it layer by layer (the
         forward's `wait_layer`); returns once the forward pass may start (`ready`). The future's
         result is the load's error, or None: join it after the forward, before vLLM reads the
         step's output."""
-        layered = LayeredScatter(len(self._kv), job.tail_block, stall_s)
+        layered = LayeredScatter(len(self._kv), job.tail_block, self._faults)
 
         def run() -> str | None:
             try:

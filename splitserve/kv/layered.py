@@ -30,22 +30,20 @@ from __future__ import annotations
 
 import os
 import threading
-import time
-from collections.abc import Callable
 
 import torch
 
+from splitserve import faults
 from splitserve.kv import blocks
 
 
 class LayeredScatter:
-    def __init__(self, num_layers: int, tail_block: int | None, stall_s: float = 0.0,
-                 on_ready: Callable[[], None] = lambda: None) -> None:
+    def __init__(self, num_layers: int, tail_block: int | None,
+                 fault: faults.Faults = faults.NONE) -> None:
         self.num_layers = num_layers
         self.tail_block = tail_block  # the local block this step also writes, if pulled
         self.ready = threading.Event()  # the forward may start
         self.stolen = 0  # layers the forward's thread scattered itself
-        self._on_ready = on_ready  # on the helper once the forward may start (tests: hold it)
         self._cond = threading.Condition()
         self._next = 0  # the first layer nobody has claimed
         self._done = [False] * num_layers  # layers whose blocks are all in place
@@ -54,7 +52,7 @@ class LayeredScatter:
         self._work: tuple[torch.Tensor, list[torch.Tensor],
                           list[tuple[int, int, torch.Tensor]]] | None = None
         self._error: BaseException | None = None
-        self._stall_s = stall_s  # tests: a slow helper, so that a missing wait shows
+        self._stall_s = fault.layer_stall_s  # a slow helper, so that a missing wait shows
 
     def __call__(self, src: torch.Tensor, kv_caches: dict[str, torch.Tensor],
                  block_ids: list[int]) -> None:
@@ -71,10 +69,8 @@ class LayeredScatter:
                 for lo, hi in ((0, at), (at + 1, n)) if lo < hi]
         self._work = (src, layers, runs)
         self.ready.set()
-        self._on_ready()
         while (i := self._claim(self.num_layers - 1)) is not None:
-            if self._stall_s:
-                time.sleep(self._stall_s)
+            faults.Faults.stall(self._stall_s)
             self._scatter(i)
         with self._cond:
             self._cond.wait_for(lambda: all(self._done))  # the forward's own layers too

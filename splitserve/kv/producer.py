@@ -34,6 +34,7 @@ import time
 
 import torch
 
+from splitserve import faults
 from splitserve.kv import blocks
 from splitserve.kv.board import BoardWriter
 from splitserve.kv.link import Link
@@ -68,6 +69,7 @@ class Producer:
         self.engine_id = engine_id
         self.settings = settings
         self.stats = stats
+        self._faults = faults.for_host(settings.host)
         self.copy_out = copy_out
         self.book = TransferBook(settings.lease_s)
         self.book.on_expired = lambda t: stats.record_lease_expired()
@@ -285,8 +287,7 @@ class Producer:
                     raise TransferError(f"consumer's shared memory: {e}") from e
                 self._gather(into, t.block_ids, want, t.snapshot)
                 self.book.gathered(t)
-                if self.settings.stall_before_send_s:
-                    time.sleep(self.settings.stall_before_send_s)
+                self._stall()
                 send_msg(conn, {"ok": True, "nbytes": nbytes})  # the bytes are in place
             else:
                 assert link.chan is not None
@@ -295,8 +296,7 @@ class Producer:
                                    t.snapshot)
                 self.book.gathered(t)  # copied (or ours): vLLM may reuse the blocks from now on
                 send_msg(conn, {"ok": True, "nbytes": nbytes})
-                if self.settings.stall_before_send_s:
-                    time.sleep(self.settings.stall_before_send_s)
+                self._stall()
                 link.chan.send(raw, int(msg["tag"]))
             ok = True
         except TransferError:
@@ -311,8 +311,7 @@ class Producer:
                           nbytes: int) -> None:
         """The consumer reads the held copy where it lies: tell it where, then keep the span
         until it says it has read it (the book frees the span when the transfer ends)."""
-        if self.settings.stall_before_send_s:
-            time.sleep(self.settings.stall_before_send_s)
+        self._stall()
         arena = self.arena
         if arena is None:
             raise TransferError("KV producer is shutting down")
@@ -325,6 +324,11 @@ class Producer:
         if done.get("op") != "read" or done.get("transfer_id") != t.transfer_id:
             raise TransferError(f"consumer did not confirm reading transfer {t.transfer_id}: "
                                 f"{done}")
+
+    def _stall(self) -> None:
+        """A test's pause mid-transfer, the pull claimed and no byte delivered: it kills us
+        there (faults.py)."""
+        faults.Faults.stall(self._faults.stall_before_send_s)
 
     def _gather(self, raw: torch.Tensor | None, held: list[int], want: list[int],
                 snapshot: torch.Tensor | None) -> torch.Tensor:

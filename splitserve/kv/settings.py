@@ -31,12 +31,6 @@ class ConnectorSettings:
     # Each decode engine keeps one to each producer, so this caps the decode engines per
     # producer; the bound keeps a flood of connections from costing a thread each.
     max_connections: int = 64
-    # Tests only: honour a request's {"fault": "corrupt"} (flip received bytes, proving the KV
-    # really travels). Off unless a deployment turns it on, so clients cannot use it.
-    allow_fault_injection: bool = False
-    stall_before_send_s: float = 0.0  # producer: pause mid-transfer (tests kill it there)
-    # consumer: the layered helper pauses in each layer it takes (tests: a slow helper)
-    layer_stall_s: float = 0.0
     # producer: "copy" copies held blocks out and frees them at once, "blocks" keeps vLLM's
     # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
     # (device memory is the scarce thing there).
@@ -71,8 +65,6 @@ class ConnectorSettings:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
         if self.lease_s <= 0 or self.timeout_s <= 0:
             raise ValueError("lease_s and timeout_s must be positive")
-        if self.layer_stall_s < 0:
-            raise ValueError(f"layer_stall_s must be >= 0, got {self.layer_stall_s}")
         if self.hold_arena_mib < 0:
             raise ValueError(f"hold_arena_mib must be >= 0, got {self.hold_arena_mib}")
         if self.max_connections < 1:

@@ -4,11 +4,13 @@ Engines, shared by the module (starting one costs ~15 s on 2 cores):
   P   producer (prefill), short lease so the expiry test is quick; copies held blocks out
   PB  the same, holding vLLM's blocks until pulled (the GPU default)
       (both publish their transfer counts on a status board: board.py)
-  D   consumer, kv_load_failure_policy "recompute", fault injection allowed
+  D   consumer, kv_load_failure_policy "recompute"
   DF  consumer, policy "fail"
   DS  consumer, loads in the step that schedules the request, before its forward pass
   DL  the same, but scattering each layer beside the forward (layered.py), slowed down so that
-      a forward that did not wait for its layer would read it unfilled
+      a forward that did not wait for its layer would read it unfilled (every engine runs
+      with the faults of FAULTS: a consumer honours a request's "corrupt", a layered helper
+      is slow; nothing else here stalls)
   C   plain colocated engine: the reference every disaggregated output must equal
 After every test all of them are idle with no KV block in use (leak check); after the module,
 no shared-memory segment their processes made is left (counted by this module's tag: shm.py).
@@ -27,6 +29,7 @@ import pytest
 
 from bench.kv_producer import ProducerProc
 from splitserve.engine import EngineConfig
+from splitserve.faults import FAULTS_ENV, Faults
 from splitserve.kv import shm
 from splitserve.kv.board import read_board
 from splitserve.kv.settings import ConnectorSettings
@@ -48,6 +51,7 @@ TIMEOUT_S = 5.0
 MAX_TOKENS = 16
 # DL's pause before scattering each layer: far longer than a forward pass of the tiny model.
 LAYER_STALL_S = 0.05
+FAULTS = Faults(corrupt_on_request=True, layer_stall_s=LAYER_STALL_S)
 
 
 class Cluster(EngineSet):
@@ -63,16 +67,15 @@ class Cluster(EngineSet):
                                kv_settings=replace(kv, hold="blocks",
                                                    status_file=str(self.boards["PB"]))),
             "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
-                              kv_settings=replace(kv, load="async", allow_fault_injection=True)),
+                              kv_settings=replace(kv, load="async")),
             # Async: test_producer_killed_mid_transfer watches DF's blocks while a pull is in
             # flight, and an in-step pull holds the step that would publish them.
             "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
                                kv_failure_policy="fail", kv_settings=replace(kv, load="async")),
             "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="DS",
-                               kv_settings=replace(kv, load="sync", allow_fault_injection=True)),
+                               kv_settings=replace(kv, load="sync")),
             "DL": EngineConfig(**base, kv_role="kv_consumer", engine_id="DL",
-                               kv_settings=replace(kv, load="layered", layer_stall_s=LAYER_STALL_S,
-                                                   allow_fault_injection=True)),
+                               kv_settings=replace(kv, load="layered")),
             "C": EngineConfig(**base),
         })
 
@@ -90,6 +93,7 @@ def cluster(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory):
     tag = secrets.token_hex(4)
     with pytest.MonkeyPatch.context() as env:
         env.setenv(shm.TAG_ENV, tag)
+        env.setenv(FAULTS_ENV, FAULTS.to_env()[FAULTS_ENV])  # the engines inherit it
         c = Cluster(tiny_model_dir, tmp_path_factory.mktemp("boards"))
         yield c
         c.close()
@@ -307,7 +311,7 @@ def test_producer_killed_mid_transfer(cluster: Cluster, tiny_model_dir: Path) ->
     fake = ProducerProc(num_layers=cfg["num_hidden_layers"], num_blocks=8,
                         shape=[cfg["num_key_value_heads"], 128, 2 * head], dtype="float32",
                         model=cluster.model, block_size=128, timeout_s=TIMEOUT_S,
-                        stall_before_send_s=120.0)
+                        faults=Faults(stall_before_send_s=120.0))
     try:
         fake.cmd(op="hold", transfer_id="doomed", block_ids=[1, 2])
         (ids,) = make_prompts(Path(cluster.model), [200], seed=7)

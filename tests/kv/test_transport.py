@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from splitserve.faults import Faults
 from splitserve.kv.consumer import PullJob
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.ticket import KVTicket, TransferId
@@ -114,7 +115,7 @@ def test_unknown_transfer_is_refused_after_a_bounded_wait(producers, consumers) 
 
 @BOTH
 def test_producer_killed_mid_transfer_fails_fast(producers, consumers, transport: str) -> None:
-    dying, healthy = producers(stall_before_send_s=60.0), producers()
+    dying, healthy = producers(faults=Faults(stall_before_send_s=60.0)), producers()
     c = consumers(transport)
     dying.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
     c.submit(job(dying, "t1", [1, 2], [3, 4]))
