@@ -9,8 +9,8 @@ the SLOs per engine than the alternatives? Deployments, one at a time (started, 
   conditional-tpot  conditional, told the TPOT SLO it is scored against (`--tpot-slo`): no
                local prefill that would push a decoding stream past it
 A name with `:sessions` after it (`1p1d:sessions`) runs that deployment with each process in a
-session of its own, as before 2026-12-03 (deploy/procs.py says why they now share ours): the
-A/B of that change. Every deployment gets the same fresh random prompts per (rate, driver): one
+session of its own, the old way (deploy/procs.py says why they now share ours): the A/B of
+that change. Every deployment gets the same fresh random prompts per (rate, driver): one
 seed each, so no prefix-cache help and one workload for all. Drivers: vLLM's `vllm bench
 serve` and `splitserve bench`, both against the OpenAI HTTP front. `--long-fraction 0.2` mixes
 long-document requests (`--long-input-len`, `--long-output-len`) into the short ones: the mixed

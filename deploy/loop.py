@@ -1,9 +1,9 @@
 """The event loop every splitserve server runs on: uvloop where it is installed.
 
-gRPC's asyncio stack costs ~90 µs of CPU per streamed message on the standard loop and ~72 on
-uvloop (measured here, 2026-11-30, AMD EPYC): the router relays a message per token, so the loop
-is part of its per-token price. vLLM's own server runs on uvloop too. SPLITSERVE_UVLOOP=0 turns
-it off.
+gRPC's asyncio stack costs less CPU per streamed message on uvloop than on the standard loop,
+and the router relays a message per token, so the loop is part of its per-token price
+(docs/benchmarks.md, "Router overhead"). vLLM's own server runs on uvloop too.
+SPLITSERVE_UVLOOP=0 turns it off.
 """
 
 from __future__ import annotations

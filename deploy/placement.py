@@ -3,9 +3,8 @@
 `splitserve up` gives each engine a core of its own (`splitserve.engine.spread_cores`). The
 router's and the workers' own event loops (gRPC, HTTP, detokenisation) are then pinned to the
 cores no engine uses, once the engines are up: left to the scheduler they also run on the
-engines' cores and take time slices from the model's threads. Measured on a 2-core host, one
-colocated worker at 2 req/s (bench/placement.py, docs/benchmarks.md "Placement"): pinned
-served twice the SLO attainment of free on average, winning 3 of 4 rounds.
+engines' cores and take time slices from the model's threads, which shows as missed SLOs
+(bench/placement.py; figures: docs/benchmarks.md, "Placement of the serving processes").
 
 Only the serving processes' own threads are pinned, after their engines have started: vLLM's
 engine processes are children of a worker and bind their compute threads themselves, so they are

@@ -9,11 +9,10 @@ SIGKILLs every group that is still there after the grace period.
 Why a process group and not a session of its own: Linux shares CPU time fairly between sessions
 first (autogroups, on by default), and a loaded vLLM CPU engine's model runner spins on
 `sched_yield` between steps (vLLM's `SpinCondition`, a second after every message). A yield gives
-way only to threads of the spinner's own session: on its core, a process in another session got
-2-8% of the core and one in the runner's session 54-61%; a new engine started beside a busy one
-was not ready after 300-400 s (57 s in one session), and 1P+1D met its SLO far less often
-(docs/benchmarks.md, "One session for the whole cluster"). In our session the spin yields to
-every component.
+way only to threads of the spinner's own session, so a process in another session gets only a
+sliver of that core: a new engine beside a busy one loads far slower, and 1P+1D meets its SLO far
+less often (figures: docs/benchmarks.md, "One session for the whole cluster"). In our session the
+spin yields to every component.
 """
 
 from __future__ import annotations
@@ -70,8 +69,8 @@ class ProcessSet:
     def __init__(self, log_dir: Path | None = None, env: dict[str, str] | None = None,
                  own_sessions: bool = False) -> None:
         """`log_dir`: each child's output goes to NAME.log there (else to our own console).
-        `own_sessions`: each child in a session of its own, as before 2026-12-03 (for the
-        benchmark that compares the two; see the module docstring)."""
+        `own_sessions`: each child in a session of its own, the old way (for the benchmark
+        that compares the two; see the module docstring)."""
         self.own_sessions = own_sessions
         self.dir = Path(tempfile.mkdtemp(prefix="splitserve-procs-"))  # ready files
         self.log_dir = log_dir
