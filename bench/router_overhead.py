@@ -5,7 +5,8 @@ greedy requests alternate between the two paths, so machine noise hits both alik
   direct   DecodeWorker.Decode on the worker (token ids in, token ids out)
   router   Generation.Generate on the router (validation, admission, routing, detokenisation)
 Overheads are medians of the paired differences (each router request minus the direct one just
-before it): the engine has slow stretches tens of requests long (docs/benchmarks.md), which move a
+before it): the engine has slow stretches tens of requests long (docs/benchmarks-log.md,
+"Router overhead"), which move a
 difference of medians by more than the goal, while a pair sits inside one stretch. Then the
 router's throughput on one core, fronting a token source instead of an engine
 (bench/router_throughput.py). Prints both tables and, with --json FILE, writes the numbers.

@@ -34,8 +34,8 @@ RETIRE_GRACE_S = 600.0  # longest a departed worker's channel stays open for req
 # gRPC's bandwidth probe grow it to megabytes. A router that falls behind then holds its workers
 # back, and a worker's session batches what piled up into fewer, larger messages (decode_worker/
 # session.py); with the window grown, the worker sent thousands of tiny messages ahead and the
-# router spent its core reading them one by one. bench/router_throughput.py, 32 streams: about
-# 3x the tokens per core-second (docs/benchmarks.md).
+# router spent its core reading them one by one. bench/router_throughput.py measures it at 32
+# streams (docs/benchmarks-log.md, "Router overhead", the fixed flow-control window).
 WORKER_CHANNEL_OPTIONS = [("grpc.http2.bdp_probe", 0)]
 
 

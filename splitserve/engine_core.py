@@ -11,8 +11,8 @@ became TTFT), and with one engine per core it took the other engine's runner's c
 So once an engine is up its worker renices the EngineCore to `ENGINE_CORE_NICE` (every thread:
 Linux niceness is per thread). It still spins when a core is idle and still does its real work
 (scheduling a step takes a millisecond or two); it just yields at once to any process at normal
-priority. Measured in docs/benchmarks.md ("The engine's scheduler process"): colocated-1 TTFT
-p50 -40%, 1P1D at 2 req/s from 45% to 95% SLO attainment. `SPLITSERVE_ENGINE_CORE_NICE=0`
+priority, so the servers' event loops get the core when they need it (figures: docs/benchmarks.md,
+"The engine's scheduler process"). `SPLITSERVE_ENGINE_CORE_NICE=0`
 leaves it as vLLM starts it. GPU engines run their model in the EngineCore itself and are left
 alone. How long those waits spin at all is splitserve/engine_spin.py's business: 2 ms, not a
 second, in our workers' engines.

@@ -7,16 +7,16 @@ socket notification (`SpinCondition`, `busy_loop_s = 1`). One engine on a many-c
 afford that. `splitserve up` on two cores cannot: with an engine on each core, one reader or
 another spins nearly all the time a request runs, and a yield hands the core only to threads of
 the spinner's own session (docs/benchmarks.md, "One session for the whole cluster"). Every
-other program on the host then waits: a client in another session, sharing its session with a
-process using a third of a core, got each stream's tokens all at once after 1.1-1.7 s, while the
-router had written them on time (docs/benchmarks.md, "Beside other work and under a burst").
+other program on the host then waits: a client in another session, beside a process using a
+third of a core, got each stream's tokens late and all at once, while the router had written
+them on time (figures: docs/benchmarks.md, "Beside other work and under a burst").
 
 So a worker's engine processes spin for `SPIN_S` after a message, then sleep until the writer's
 notification wakes them (an event: the writer notifies on every message). Steps follow each
 other within a millisecond or two under load, so the short spin still catches them. A sleeping
 reader also looks again every `POLL_S`: the notification can be lost (the writer's socket drops
 one while its previous one is unsent, `SNDHWM` 1), and vLLM's own recheck is 5 s — a colocated
-stream beside a CPU hog once waited out exactly that (a 5,062 ms gap) with nothing else wrong.
+stream beside a CPU hog once waited out exactly those 5 s with nothing else wrong.
 `SPLITSERVE_ENGINE_SPIN_S` sets it (vLLM's own 1 s: `SPLITSERVE_ENGINE_SPIN_S=1`). Loaded in
 every vLLM process as a `vllm.general_plugins` entry point (pyproject.toml), it acts only in the
 engines of splitserve's workers on CPU: plain vLLM started from the same environment, and GPU
