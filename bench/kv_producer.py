@@ -33,7 +33,7 @@ import torch
 
 from splitserve.faults import FAULTS_ENV, Faults
 from splitserve.kv.producer import Producer
-from splitserve.kv.settings import KV_DEFAULTS, KV_SECRET_ENV, ConnectorSettings
+from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket, TransferId
@@ -48,7 +48,7 @@ DEFAULTS: dict[str, Any] = {
     "block_size": 32, "seed": 7, "engine_id": "fake-p", "port": 0, "copy_out": False,
     "lease_s": 30.0, "timeout_s": 5.0, "secret": None,
     "max_connections": 64, "cache_dtype": "auto", "transport": "auto",
-    "hold_arena_mib": KV_DEFAULTS.hold_arena_mib}
+    "hold_arena_mib": ConnectorSettings().hold_arena_mib}
 
 
 def make_caches(num_layers: int, num_blocks: int, shape: list[int], dtype: str, seed: int

@@ -68,8 +68,8 @@ class DecodeServicer(worker_pb2_grpc.DecodeWorkerServicer):
             raise PermissionDenied(f"ticket {ticket.transfer_id}: not vouched for by a router "
                                    f"of this cluster (docs/security.md)")
         with self.core.admit() as engine:
-            if self.core.cfg.debug_stall_decode_s:
-                await asyncio.sleep(self.core.cfg.debug_stall_decode_s)
+            if self.core.faults.stall_decode_s:
+                await asyncio.sleep(self.core.faults.stall_decode_s)
             params = sampling_to_vllm(
                 request.sampling, kv_transfer_params=ticket.to_vllm() if ticket else None)
             t_first = None

@@ -21,7 +21,6 @@ from splitserve.credentials import (
     read_secret,
     read_secrets,
 )
-from splitserve.kv.settings import KV_DEFAULTS
 from splitserve.tls import TLSConfig, is_loopback
 
 
@@ -89,8 +88,6 @@ def cluster_token_of(a: argparse.Namespace) -> str | None:
 def add_kv_secret(g) -> None:
     g.add_argument("--kv-secret-file", default=None, metavar="PATH",
                    help=f"shared secret KV peers prove to each other (default ${KV_SECRET_ENV})")
-    g.add_argument("--kv-max-connections", type=int, default=KV_DEFAULTS.max_connections,
-                   help="KV side-channel connections a producer serves at once")
     g.add_argument("--kv-secret", action=_Refuse, instead=f"${KV_SECRET_ENV} or --kv-secret-file")
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from deploy.loop import run as run_loop
 from splitserve.roles import Role
-from splitserve.worker.core import WorkerConfig
+from splitserve.worker.config import WorkerConfig
 from splitserve.worker.server import AddServicer, serve
 
 

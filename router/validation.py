@@ -21,6 +21,7 @@ import numpy as np
 
 from router.errors import InvalidArgument
 from splitserve.sampling import DEFAULT_MAX_TOKENS, Sampling
+from splitserve.settings import setting
 from splitserve.v1 import common_pb2, generation_pb2
 
 MAX_LOGPROBS = 20  # what the OpenAI API allows; the engines are configured to match
@@ -39,15 +40,16 @@ _LOOP_MAX_IDS = 256
 @dataclass(frozen=True)
 class RequestLimits:
     """Bounds on what one request may ask of the router, checked before any work is done. Each
-    has a router flag (deploy/cli.py) and is documented in docs/operations.md."""
+    is a router flag (made from the field: splitserve/settings.py), in docs/operations.md."""
 
-    max_stop_strings: int = 16  # OpenAI allows 4; vLLM none. Matching is linear either way
-    max_stop_chars: int = 1024  # per stop string
-    max_stop_token_ids: int = 256
-    # One request's body (HTTP) or message (gRPC). A prompt at a 32k context is ~200 KB of JSON
-    # token ids; 8 MiB leaves room for long texts without letting one body fill the router.
-    max_request_bytes: int = 8 << 20
-    max_timeout_s: float = 3600.0  # the HTTP body's `timeout` field
+    # OpenAI allows 4 stop strings; vLLM no limit. Matching is linear either way.
+    max_stop_strings: int = setting(16, "stop strings per request")
+    max_stop_chars: int = setting(1024, "characters per stop string")
+    max_stop_token_ids: int = setting(256, "stop_token_ids per request")
+    # A prompt at a 32k context is ~200 KB of JSON token ids; 8 MiB leaves room for long texts
+    # without letting one body fill the router.
+    max_request_bytes: int = setting(8 << 20, "HTTP body / gRPC message size")
+    max_timeout_s: float = setting(3600.0, "largest HTTP `timeout` field accepted")
 
     def __post_init__(self) -> None:
         for name in ("max_stop_strings", "max_stop_chars", "max_stop_token_ids",

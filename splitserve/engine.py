@@ -14,13 +14,14 @@ import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from splitserve.engine_core import lower_engine_core
 from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.lifeline import ENGINE_PARENT_ENV
 from splitserve.models import stored_dtype
+from splitserve.settings import setting
 
 if TYPE_CHECKING:  # vllm is heavy; import it only when an engine is really built
     from vllm.engine.arg_utils import AsyncEngineArgs
@@ -35,36 +36,57 @@ KV_ROLES = ("kv_producer", "kv_consumer", "kv_both")
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str  # a local Hugging Face model directory (see tiny_model.resolve_model)
-    # "auto": what this host runs fastest (`concrete_dtype`). Golden tests use float32, where
+    model: str = setting(
+        None, "HF model directory, 'smollm2' (the default: SmolLM2-135M-Instruct, see "
+        "fetch-model) or 'tiny'/'bench' (generated, random weights)")
+    # "auto" is what this host runs fastest (`concrete_dtype`); golden tests use float32, where
     # exact token equality is expected.
-    dtype: str = "auto"
-    max_model_len: int = 4096
-    block_size: int = 128  # vLLM's CPU attention needs a multiple of 32; 128 is its default
-    kv_cache_mib: int = 256  # explicit KV cache size; ~1000 blocks of the tiny model in fp32
-    kv_cache_dtype: str = "auto"  # "fp8", "fp8_e4m3", "fp8_e5m2" quantise the cache
-    memory_fraction: float = 0.1  # vLLM's gpu_memory_utilization; host RAM fraction on CPU
-    max_num_seqs: int = 64
-    max_num_batched_tokens: int | None = None
-    enable_prefix_caching: bool = True
-    # n-gram speculative decoding (prompt lookup, no draft model): tokens proposed per step from
-    # the request's own text, verified in one forward pass; 0 = off. Greedy output is unchanged.
-    speculative_tokens: int = 0
-    enforce_eager: bool = True  # no compile/graph capture: start-up in seconds, not minutes
-    seed: int = 0
-    # CPU only: cores for this engine's compute threads ("0", "2-3"), or "auto" (vLLM's choice).
+    dtype: str = setting(
+        "auto", "model dtype: auto (float32 for a checkpoint stored in float32, else what this "
+        "host runs fastest: bfloat16 on GPUs and on CPUs with AVX512-BF16/AMX, float32 "
+        "elsewhere), bfloat16, float16, float32")
+    max_model_len: int = setting(4096, "prompt + output tokens of one request, at most")
+    # vLLM's CPU attention needs a multiple of 32; 128 is its default there.
+    block_size: int = setting(128, "tokens per KV cache block (a multiple of 32)")
+    # An explicit size, not a fraction of memory: on CPU vLLM's fraction is of host RAM, and
+    # three engines at the usual 0.9 cannot share a laptop.
+    kv_cache_mib: int = setting(256, "KV cache size of this engine")
+    kv_cache_dtype: str = setting(
+        "auto", "KV cache dtype: auto (the model's) or fp8, which halves the cache's bytes "
+        "against bf16 (and what a KV transfer moves); lossy. Prefill and decode pools must "
+        "agree (the KV handshake refuses a mismatch)",
+        choices=("auto", "fp8", "fp8_e4m3", "fp8_e5m2"))
+    memory_fraction: float = setting(
+        0.1, "vLLM's gpu_memory_utilization (on CPU: the fraction of host RAM it may reserve)")
+    max_num_seqs: int = setting(64, "sequences one engine step runs at most")
+    max_num_batched_tokens: int | None = setting(
+        None, "tokens per engine step (vLLM's chunked-prefill chunk; default: vLLM's, 2048 on "
+        "CPU)")
+    enable_prefix_caching: bool = setting(True, "reuse cached KV blocks of shared prefixes")
+    speculative_tokens: int = setting(
+        0, "n-gram speculative decoding (prompt lookup, no draft model): tokens proposed per "
+        "step; 0 = off. For decode and colocated workers; greedy output is unchanged")
+    # No compile or graph capture: start-up in seconds, not minutes.
+    enforce_eager: bool = setting(True, "run the model eagerly (no torch.compile, no graphs)")
+    seed: int = setting(0, "the engine's sampling seed")
     # Several engines on one host must not share cores: vLLM's "auto" binds each of them to the
     # same first core, and their spinning OpenMP threads then starve each other.
-    cpu_cores: str = "auto"
+    cpu_cores: str = setting(
+        "auto", "CPU only: cores for this engine's compute threads, e.g. 0 or 2-3 (auto: "
+        "vLLM's choice)")
     # KV transfer: None = plain engine (colocated); else one of KV_ROLES with our connector.
-    kv_role: str | None = None
-    kv_settings: ConnectorSettings = field(default_factory=ConnectorSettings)
-    engine_id: str | None = None  # stable name of this engine in KV transfer handshakes
-    # What a decode engine does when a KV pull fails: "recompute" prefills locally (the request
-    # still succeeds, slower), "fail" ends it with finish reason "error".
-    kv_failure_policy: str = "recompute"
+    kv_role: str | None = setting(None, internal=True)
+    kv_settings: ConnectorSettings = setting(factory=ConnectorSettings, internal=True)
+    engine_id: str | None = setting(None, internal=True)  # its name in KV handshakes
+    # A failed pull: "recompute" prefills locally (the request still succeeds, slower), "fail"
+    # ends it with finish reason "error".
+    kv_failure_policy: str = setting(
+        "recompute", "what a decode engine does when a KV pull fails: recompute the prompt "
+        "locally, or fail the request", choices=("recompute", "fail"))
 
     def __post_init__(self) -> None:
+        if not self.model:
+            raise ValueError("model: a model directory is required (models.resolve_model)")
         if self.kv_role is not None and self.kv_role not in KV_ROLES:
             raise ValueError(f"kv_role must be one of {KV_ROLES}, got {self.kv_role!r}")
         if self.block_size % 32:
@@ -167,11 +189,11 @@ def claim_environment(cfg: EngineConfig, environ: dict[str, str] | None = None) 
     values, for the log."""
     env = os.environ if environ is None else environ
     said = []
-    for name, setting in OVERRIDING_ENV.items():
+    for name, field_name in OVERRIDING_ENV.items():
         value = env.pop(name, None)
         if value:
-            said.append(f"{name}={value} ignored: {setting}={getattr(cfg, setting)} is this "
-                        f"engine's setting (--{setting.replace('_', '-')})")
+            said.append(f"{name}={value} ignored: {field_name}={getattr(cfg, field_name)} is "
+                        f"this engine's setting (--{field_name.replace('_', '-')})")
     return said
 
 

@@ -67,7 +67,7 @@ def test_overlay_kinds_and_wiring(overlay: str) -> None:
         assert c["command"] == ["splitserve"]
         args = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in c["args"]])
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
-        grpc_port = args.grpc_port if args.command == "router" else args.port
+        grpc_port = args.port
         assert ports["grpc"] == grpc_port == c["readinessProbe"]["grpc"]["port"]
         secrets = {e["name"]: e["valueFrom"]["secretKeyRef"] for e in c["env"]
                    if "secretKeyRef" in e.get("valueFrom", {})}

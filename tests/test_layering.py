@@ -26,6 +26,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+from splitserve.faults import Faults
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -73,8 +74,8 @@ def test_router_process_never_loads_torch(tiny_model_dir: Path, tmp_path: Path) 
     modules, ready = tmp_path / "modules.json", tmp_path / "ready"
     proc = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "router", "--model", str(tiny_model_dir),
-         "--grpc-port", "0", "--http-port", "0", "--ready-file", str(ready),
-         "--debug-modules-file", str(modules)], cwd=ROOT, start_new_session=True,
+         "--grpc-port", "0", "--http-port", "0", "--ready-file", str(ready)], cwd=ROOT,
+        env={**os.environ, **Faults(modules_file=str(modules)).to_env()}, start_new_session=True,
         stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

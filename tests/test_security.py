@@ -129,7 +129,7 @@ def test_http_wants_tls_and_an_api_key(router, pki) -> None:
 def _worker_cfg(tls: TLSConfig | None, token: str | None, router: str | None = None):
     from splitserve.engine import EngineConfig
     from splitserve.roles import Role
-    from splitserve.worker.core import WorkerConfig
+    from splitserve.worker.config import WorkerConfig
 
     return WorkerConfig(role=Role.DECODE, engine=EngineConfig(model="tiny"), router=router,
                         cluster_token=token, tls=tls, heartbeat_interval_s=0.2)
@@ -259,12 +259,13 @@ def test_chat_templates_run_sandboxed() -> None:
 
     from router.chat import ChatTemplate
     from router.errors import RequestFailed
+    from router.outcome import outcome_of
 
     escape = ChatTemplate("{{ ''.__class__.__mro__[1].__subclasses__() }}", None, None)
     with pytest.raises(RequestFailed, match="chat template failed") as e:
         escape.render([])
     assert isinstance(e.value.__cause__, jinja2.sandbox.SecurityError)
-    assert e.value.http_status == 500  # the model's fault, not the client's
+    assert outcome_of(e.value).http_status == 500  # the model's fault, not the client's
     mutate = ChatTemplate("{% set _ = messages.append({'role': 'x'}) %}{{ messages|length }}",
                           None, None)
     with pytest.raises(RequestFailed) as e:

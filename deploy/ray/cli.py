@@ -6,8 +6,9 @@
   scale   --prefill N --decode M: new workers register before removed ones drain.
   status  the deployment as JSON (actors, processes, endpoints, scaling events).
   down    drain and stop the deployment.
-Flags become a RayConfig (config.py) here and nowhere else; secrets come from the environment
-or files, never flags.
+Flags become a RayConfig (config.py) here and nowhere else: the components' settings are the
+flags `up` takes too (deploy/launch_flags.py), handed on as argv made from the same schema;
+secrets come from the environment or files, never flags.
 """
 
 from __future__ import annotations
@@ -19,20 +20,14 @@ import sys
 import time
 
 from deploy import security_flags as sec
-from splitserve.kv.settings import KV_DEFAULTS
-
-# The engine flags `ray up` hands every worker; one whose default is None is passed only when
-# given, so the worker's own default is in force.
-_ENGINE_FLAGS = (("--dtype", str, None), ("--max-model-len", int, 4096),
-                 ("--block-size", int, 128), ("--kv-cache-mib", int, 256),
-                 ("--max-num-seqs", int, 64), ("--kv-cache-dtype", str, "auto"),
-                 ("--max-num-batched-tokens", int, None), ("--speculative-tokens", int, 0),
-                 ("--kv-failure-policy", str, "recompute"),
-                 ("--kv-lease-s", float, KV_DEFAULTS.lease_s),
-                 ("--kv-timeout-s", float, KV_DEFAULTS.timeout_s),
-                 ("--kv-transport", str, KV_DEFAULTS.transport),
-                 ("--kv-load", str, KV_DEFAULTS.load),
-                 ("--kv-hold-arena-mib", int, KV_DEFAULTS.hold_arena_mib))
+from deploy.launch_flags import (
+    RAY_DECIDES,
+    ROUTER_SIDE,
+    WORKER_SIDE,
+    add_component_flags,
+    child_argv,
+)
+from splitserve.settings import add_config_flag
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -40,15 +35,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     rs = r.add_subparsers(dest="ray_command", required=True)
 
     u = rs.add_parser("up", help="deploy router + pools as Ray actors")
+    add_config_flag(u)
     _common(u, address_default=None)
     u.add_argument("--model", default="tiny",
                    help="HF model directory present on every node, or 'tiny'/'bench' (each "
                         "node generates the same bytes)")
     u.add_argument("--prefill", type=int, default=1)
     u.add_argument("--decode", type=int, default=1)
-    g = u.add_argument_group("engine (passed to every worker)")
-    for flag, kind, default in _ENGINE_FLAGS:
-        g.add_argument(flag, type=kind, default=default)
     res = u.add_argument_group("resources and placement")
     res.add_argument("--cpus-per-worker", type=float, default=1.0,
                      help="Ray CPUs of each worker actor; CPU engines pin this many cores")
@@ -82,6 +75,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "as large as the planner's model needs for the observed rate")
     u.add_argument("--detach", action="store_true",
                    help="return once up; the deployment stays (needs --address)")
+    add_component_flags(u, RAY_DECIDES)  # after Ray's own: theirs name the ports
     u.set_defaults(func=_up)
 
     s = rs.add_parser("scale", help="resize the pools of a running deployment")
@@ -108,13 +102,12 @@ def _common(p: argparse.ArgumentParser, address_default: str | None = "auto") ->
 
 
 def _config_options(a: argparse.Namespace) -> dict:
-    values = {flag: getattr(a, flag[2:].replace("-", "_")) for flag, _, _ in _ENGINE_FLAGS}
-    engine = [x for flag, v in values.items() if v is not None for x in (flag, str(v))]
-    return dict(name=a.name, engine_args=tuple(engine), host=a.host, grpc_port=a.grpc_port,
+    return dict(name=a.name, engine_args=tuple(child_argv(a, WORKER_SIDE, RAY_DECIDES)),
+                host=a.host, grpc_port=a.grpc_port,
                 cluster_port=a.cluster_port, http_port=a.http_port,
                 cpus_per_worker=a.cpus_per_worker, gpus_per_worker=a.gpus_per_worker,
                 router_cpus=a.router_cpus, max_restarts=a.max_restarts, placement=a.placement,
-                router_args=("--max-model-len", str(a.max_model_len)))
+                router_args=tuple(child_argv(a, ROUTER_SIDE, RAY_DECIDES)))
 
 
 def _autoscale_of(a: argparse.Namespace):

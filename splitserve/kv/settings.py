@@ -7,8 +7,10 @@ worker servers can build it without loading the engine.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, fields
 from typing import Any
+
+from splitserve.settings import setting
 
 HOLD_MODES = ("auto", "copy", "blocks")
 TRANSPORTS = ("auto", "pair")
@@ -20,41 +22,48 @@ KV_SECRET_ENV = "SPLITSERVE_KV_SECRET"
 class ConnectorSettings:
     """Defaults work for a one-host cluster."""
 
-    host: str = "127.0.0.1"  # address peers use to reach this worker (side channel, gloo)
-    side_channel_port: int = 0  # producer: 0 = any free port (the worker reports the real one)
-    lease_s: float = 30.0  # producer: held KV is freed if nobody pulls (or releases) within this
-    timeout_s: float = 10.0  # every network wait of a transfer
+    host: str = setting("127.0.0.1", "address KV peers use to reach this worker (side channel, "
+                        "data plane)")
+    side_channel_port: int = setting(
+        0, "prefill side: the KV side channel's port (0: any free one, which the worker reports)")
+    lease_s: float = setting(
+        30.0, "prefill side: held KV is freed if nobody pulls (or releases) it within this")
+    timeout_s: float = setting(10.0, "every network wait of a KV transfer")
     # Shared secret both sides of the side channel prove (mutual HMAC). Never in vLLM's config:
-    # the engine reads it from $SPLITSERVE_KV_SECRET, which its processes inherit (engine.py).
-    secret: str | None = field(default=None, repr=False)
-    # producer: side-channel connections served at once (one thread each); more are refused.
-    # Each decode engine keeps one to each producer, so this caps the decode engines per
-    # producer; the bound keeps a flood of connections from costing a thread each.
-    max_connections: int = 64
-    # producer: "copy" copies held blocks out and frees them at once, "blocks" keeps vLLM's
-    # blocks until pulled, "auto" = copy on CPU (a busy engine costs cores there), blocks on GPU
-    # (device memory is the scarce thing there).
-    hold: str = "auto"
-    # producer: MiB of shared memory for copy-out holds, made when the first consumer on this
-    # host connects; such a consumer scatters straight out of it, saving the producer's copy
-    # on the hand-off's path (shm.HoldArena). 0 = none: held copies stay in private memory.
-    hold_arena_mib: int = 256
-    # "auto": through shared memory when both ends see the same /dev/shm (one host; CPU caches),
-    # else the pair channel; "pair": always the pair channel. Either side can refuse shm.
-    transport: str = "auto"
-    # consumer: "sync" pulls in the engine step that first schedules the request, before its
-    # forward pass (the second token one step sooner; the whole batch waits for the pull, a hung
+    # the engine reads it from $SPLITSERVE_KV_SECRET, which its processes inherit (engine.py);
+    # the command line takes a file (deploy/security_flags.py), never the value.
+    secret: str | None = setting(None, internal=True, repr=False)
+    # Each decode engine keeps one connection to each producer, so this caps the decode engines
+    # per producer; the bound keeps a flood of connections from costing a thread each.
+    max_connections: int = setting(
+        64, "prefill side: KV side-channel connections served at once (one thread each); more "
+        "are refused")
+    # "copy" frees vLLM's blocks at once (on CPU a busy engine costs cores, not memory);
+    # "blocks" keeps them until pulled (on a GPU device memory is the scarce thing).
+    hold: str = setting(
+        "auto", "prefill side: copy held KV blocks out and free them at once (copy), keep "
+        "vLLM's blocks until pulled (blocks), or auto: copy on CPU, blocks on GPU",
+        choices=HOLD_MODES)
+    # A consumer on this host scatters straight out of the arena: one copy fewer on the
+    # hand-off's path (shm.HoldArena).
+    hold_arena_mib: int = setting(
+        256, "prefill side, CPU: shared memory for held KV copies, made when the first decode "
+        "worker on this host connects, which then reads them where they lie; 0: private memory")
+    transport: str = setting(
+        "auto", "auto: KV between workers on one host through shared memory, across hosts over "
+        "the pair channel (torch.distributed); pair: always the pair channel (either side can "
+        "refuse shared memory)", choices=TRANSPORTS)
+    # "sync": the second token one step sooner; the whole batch waits for the pull (a hung
     # producer up to timeout_s once, after which loads from it fail at once for timeout_s: see
-    # consumer.py); "layered" is "sync" with the scatter running beside the forward pass, a
-    # layer ahead of it, instead of before it (CPU caches; elsewhere it is "sync"; layered.py);
-    # "async" pulls beside the engine's steps and schedules the request once the KV has landed
-    # (a step or two later; a slow producer delays nobody else). docs/benchmarks.md, "KV
-    # hand-off", has the measurements behind the default: "layered" shortens the hand-off at
-    # low load; it cost TPOT under load on a Xeon before the forward took the layers its helper
-    # had not reached, and has not been rechecked there since (on an AMD EPYC: no cost).
-    load: str = "sync"
+    # consumer.py). "layered" shortens the hand-off at low load (docs/benchmarks.md, "KV
+    # hand-off"). "async": a slow producer delays nobody else.
+    load: str = setting(
+        "sync", "decode side: sync pulls in the step that schedules the request (the batch "
+        "waits for the pull); layered is sync with the scatter beside the forward pass, a "
+        "layer ahead of it (CPU caches; elsewhere sync); async pulls beside the engine's steps "
+        "and schedules the request once its KV has landed", choices=LOADS)
     # producer: where to publish transfer counts for the worker server (board.py); None = nowhere
-    status_file: str | None = None
+    status_file: str | None = setting(None, internal=True)
 
     def __post_init__(self) -> None:
         if self.hold not in HOLD_MODES:
@@ -96,5 +105,3 @@ class ConnectorSettings:
         return self.hold == "copy" or (self.hold == "auto" and device_type == "cpu")
 
 
-# The defaults once, for the command lines that expose them (deploy/cli.py, deploy/ray/cli.py).
-KV_DEFAULTS = ConnectorSettings()

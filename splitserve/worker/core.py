@@ -16,40 +16,15 @@ from dataclasses import dataclass, field
 import grpc
 
 from splitserve.credentials import ticket_key
-from splitserve.engine import EngineConfig
 from splitserve.engine_stats import EngineMonitor
+from splitserve.faults import Faults, for_host
 from splitserve.kv.board import read_board
 from splitserve.roles import Role
-from splitserve.tls import TLSConfig
 from splitserve.v1 import common_pb2, worker_pb2
+from splitserve.worker.config import WorkerConfig
 from splitserve.worker.errors import PermissionDenied, Unavailable
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class WorkerConfig:
-    role: Role
-    engine: EngineConfig
-    host: str = "127.0.0.1"
-    port: int = 0  # gRPC port; 0 picks a free one (printed and registered)
-    advertise_host: str | None = None  # what the router dials; defaults to host
-    router: str | None = None  # router address to register with; None = static list only
-    # Required of every caller (the router) and sent to the router when registering; a decode
-    # worker with it pulls KV only with tickets a router vouched for (router/vouch.py).
-    cluster_token: str | None = field(default=None, repr=False)
-    tls: TLSConfig | None = None  # gRPC server (mutual with a CA), metrics, channel to the router
-    worker_id: str | None = None
-    model_name: str | None = None  # served name; defaults to the model directory's name
-    metrics_port: int | None = 0  # Prometheus /metrics; 0 = any free port, None = off
-    drain_timeout_s: float = 30.0
-    heartbeat_interval_s: float = 1.0
-    # Tests only: every Decode waits this long before it reaches the engine, so a test can act
-    # (cancel, let a deadline pass) while the router holds a ticket that nobody pulled yet.
-    debug_stall_decode_s: float = 0.0
-
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "role", Role(self.role))
 
 
 class Phase(enum.IntEnum):
@@ -68,6 +43,10 @@ class WorkerCore:
     inflight: int = 0  # RPCs being served right now (prefill queue length, drain wait)
     total_kv_blocks: int = 0
     kv_address: str = ""  # prefill: the KV side channel's host:port, once the engine is up
+    faults: Faults = field(init=False)  # tests only (splitserve/faults.py); refused off loopback
+
+    def __post_init__(self) -> None:
+        self.faults = for_host(self.cfg.host)
 
     @functools.cached_property
     def ticket_key(self) -> bytes | None:

@@ -31,7 +31,8 @@ from splitserve.engine import build_engine, concrete_dtype, stop_engine
 from splitserve.health import set_serving
 from splitserve.roles import Role
 from splitserve.tls import add_port
-from splitserve.worker.core import Phase, WorkerConfig, WorkerCore
+from splitserve.worker.config import WorkerConfig
+from splitserve.worker.core import Phase, WorkerCore
 from splitserve.worker.registration import heartbeat_loop
 
 log = logging.getLogger(__name__)

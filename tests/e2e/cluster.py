@@ -16,6 +16,7 @@ import grpc
 from deploy.procs import Proc, ProcessSet
 from router.registry import worker_stub
 from splitserve import scrape
+from splitserve.faults import Faults
 from splitserve.kv import shm
 from splitserve.roles import Role
 from splitserve.v1 import generation_pb2_grpc, worker_pb2
@@ -46,10 +47,13 @@ class ProcCluster(ProcessSet):
                                  "--http-port", "0", *args],
                           env={**self.env, **env} if env else None)
 
-    def worker(self, name: str, role: Role, core: int, *args: str) -> Proc:
+    def worker(self, name: str, role: Role, core: int, *args: str,
+               faults: Faults | None = None) -> Proc:
+        """`faults`: test-only stalls for this worker (splitserve/faults.py)."""
         return self.spawn(name, [role.value, "--model", self.model, "--dtype", "float32",
                                  "--kv-cache-mib", "128", "--cpu-cores", str(core),
-                                 "--kv-timeout-s", "5", *args], role)
+                                 "--kv-timeout-s", "5", *args], role,
+                          env={**(self.env or os.environ), **faults.to_env()} if faults else None)
 
     def generation(self, router: Proc) -> generation_pb2_grpc.GenerationStub:
         ch = grpc.insecure_channel(router.address)

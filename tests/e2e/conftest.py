@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from splitserve.faults import Faults
 from splitserve.roles import Role
 from splitserve.v1 import generation_pb2
 from tests.e2e.cluster import ProcCluster
@@ -70,7 +71,7 @@ def cl(tiny_model_dir: Path):
         c.worker("P1", Role.PREFILL, 0, "--router", a.address)
         c.worker("D1", Role.DECODE, 1, "--router", a.address)
         c.worker("C", Role.COLOCATED, 0)
-        c.worker("DS", Role.DECODE, 1, "--debug-stall-decode-s", str(STALL_S))
+        c.worker("DS", Role.DECODE, 1, faults=Faults(stall_decode_s=STALL_S))
         # Six engines loading at once on two cores take minutes (~2.5 each on an AVX2 host).
         # Inside pytest's own 900 s limit, which this setup counts against: a slow start fails
         # with this wait's message (which engine, its log), not a bare timeout.

@@ -31,7 +31,7 @@ from splitserve.health import set_serving
 from splitserve.models import resolve_model
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, worker_pb2_grpc
-from splitserve.worker.core import WorkerConfig
+from splitserve.worker.config import WorkerConfig
 from splitserve.worker.registration import heartbeat_loop
 
 LOAD_S = 1.0  # "engine loading": health says NOT_SERVING this long

@@ -15,7 +15,8 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _exported_samples() -> set[str]:
     from splitserve.engine import EngineConfig
-    from splitserve.worker.core import WorkerConfig, WorkerCore
+    from splitserve.worker.config import WorkerConfig
+    from splitserve.worker.core import WorkerCore
     from splitserve.worker.metrics import _Collector
 
     reg = CollectorRegistry()
