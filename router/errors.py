@@ -1,23 +1,12 @@
-"""How a request ends when it does not finish: one exception, one status table.
+"""What the router fails a request with: one exception, carrying its gRPC status code.
 
-Everything the router refuses or fails with is a `RequestFailed` carrying its gRPC code; the gRPC
-service aborts with it, the HTTP front turns it into an OpenAI error with the HTTP status below,
-and both record the same outcome label in the metrics.
+Everything the router refuses or fails with is a `RequestFailed`; router/outcome.py reads it as
+the request's `Outcome` (its label, its HTTP status), which each front renders.
 """
 
 from __future__ import annotations
 
 import grpc
-
-# Outcome label (splitserve:requests_total{outcome}) and HTTP status of each code we end with.
-_OUTCOME = {grpc.StatusCode.INVALID_ARGUMENT: "invalid",
-            grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected",
-            grpc.StatusCode.UNAVAILABLE: "unavailable",
-            grpc.StatusCode.DEADLINE_EXCEEDED: "deadline",
-            grpc.StatusCode.CANCELLED: "cancelled"}
-_HTTP = {grpc.StatusCode.INVALID_ARGUMENT: 400, grpc.StatusCode.RESOURCE_EXHAUSTED: 429,
-         grpc.StatusCode.UNAVAILABLE: 503, grpc.StatusCode.DEADLINE_EXCEEDED: 504,
-         grpc.StatusCode.CANCELLED: 499}
 
 
 class RequestFailed(Exception):
@@ -26,14 +15,6 @@ class RequestFailed(Exception):
     def __init__(self, code: grpc.StatusCode, message: str) -> None:
         super().__init__(message)
         self.code = code
-
-    @property
-    def outcome(self) -> str:
-        return _OUTCOME.get(self.code, "error")
-
-    @property
-    def http_status(self) -> int:
-        return _HTTP.get(self.code, 500)
 
 
 class InvalidArgument(RequestFailed):
@@ -54,18 +35,16 @@ class WorkerFailed(RequestFailed):
         self.worker_id = worker_id
 
 
+class Overloaded(RequestFailed):
+    """Refused now rather than served late (router/slo.py); `retry_after_s` says when the queue
+    will have room (gRPC trailer `grpc-retry-pushback-ms`, HTTP header `Retry-After`)."""
+
+    def __init__(self, message: str, retry_after_s: float) -> None:
+        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
+        self.retry_after_s = retry_after_s
+
+
 # The router gives up this long before the client's deadline, so that it, not grpc's timer racing
 # it, ends the request: with DEADLINE_EXCEEDED, a message saying where the time went, and the
 # "deadline" outcome.
 DEADLINE_MARGIN_S = 0.02
-# The client's clock starts before ours (its deadline is set when it sends; ours when the headers
-# are parsed here), so on a loaded host its timer can fire first and reach us as a plain cancel
-# with some time still left by our clock: a cancel this close to the deadline is the deadline.
-# (A client that leaves on purpose within the last quarter second is counted as timed out.)
-DEADLINE_CANCEL_WINDOW_S = 0.25
-
-
-def cancelled_outcome(time_remaining: float | None) -> str:
-    """A request whose handler was cancelled: by its deadline, or by the client leaving."""
-    return ("deadline" if time_remaining is not None and time_remaining <= DEADLINE_CANCEL_WINDOW_S
-            else "cancelled")

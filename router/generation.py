@@ -6,79 +6,43 @@ bounded queue in front of `max_concurrency` slots; RESOURCE_EXHAUSTED beyond it)
 (UNAVAILABLE if a role has none alive) → run_flow's token events → incremental detokenisation →
 stop strings (the text is trimmed and the decode side aborted) → final chunk with finish reason,
 usage and timings. The client's deadline bounds every worker call and its cancellation cancels
-them.
+them. Each step of the way is told to the request's `Lifecycle` (router/lifecycle.py), which keeps
+every tracker's account; how it ended (router/outcome.py) becomes the gRPC status here.
 """
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
-import logging
+import math
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Collection, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import replace
 
 import grpc
 
 from router.chat import ChatTemplate
 from router.config import RouterConfig
-from router.errors import (
-    DEADLINE_MARGIN_S,
-    InvalidArgument,
-    RequestFailed,
-    WorkerFailed,
-    cancelled_outcome,
-)
+from router.errors import DEADLINE_MARGIN_S, InvalidArgument, RequestFailed, WorkerFailed
 from router.flow import FlowTimings, TokenEvent, remaining, run_flow
 from router.ids import new_id
-from router.metrics import RequestTrace, RouterMetrics
+from router.lifecycle import Lifecycle, Tracker
+from router.metrics import RouterMetrics
+from router.outcome import Outcome
 from router.policy import choose_decode, choose_prefill, prefix_key
 from router.registry import Worker, WorkerRegistry
-from router.slo import DecodeMeter, Overloaded, PrefillMeter, TpotAdmission, TtftAdmission
+from router.slo import Admission
 from router.split import PrefillSplit
 from router.text import IncrementalDetokenizer, RouterTokenizer, StopMatcher
 from router.validation import check_model, validate_prompt, validate_sampling
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc
 
-log = logging.getLogger(__name__)
-
-
-@dataclass
-class Admission:
-    """`max_concurrency` slots and at most `max_queue` requests waiting for one."""
-
-    max_concurrency: int
-    max_queue: int
-
-    def __post_init__(self) -> None:
-        self._slots = asyncio.Semaphore(self.max_concurrency)
-        self.waiting = 0
-        self.running = 0
-
-    async def acquire(self) -> None:
-        if self._slots.locked() and self.waiting >= self.max_queue:
-            # Retry-After: a slot frees as often as a request ends; a second is a fair floor.
-            raise Overloaded(f"overloaded: {self.running} running and {self.waiting} queued "
-                             f"(max_queue {self.max_queue}); retry later", 1.0)
-        self.waiting += 1
-        try:
-            await self._slots.acquire()
-        finally:
-            self.waiting -= 1
-        self.running += 1
-
-    def release(self) -> None:
-        self.running -= 1
-        self._slots.release()
-
 
 class GenerationService(generation_pb2_grpc.GenerationServicer):
     def __init__(self, cfg: RouterConfig, registry: WorkerRegistry, tokenizer: RouterTokenizer,
                  served_model: str, metrics: RouterMetrics) -> None:
         self.cfg = cfg
-        self.metrics = metrics
         self.registry = registry
         self.tokenizer = tokenizer
         template = tokenizer.chat_template
@@ -86,21 +50,12 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                      if template else None)
         self.served_model = served_model
         self.model_names = frozenset({served_model, *cfg.model_aliases})
-        self.admission = Admission(cfg.max_concurrency, cfg.max_queue)
-        self.prefill_meter = meter = PrefillMeter()
-        metrics.prefill_rate.labels(metrics.model).set_function(lambda: meter.rate() or 0.0)
-        metrics.pending_prompt_tokens.labels(metrics.model).set_function(lambda: meter.pending)
-        self.ttft_admission = (TtftAdmission(cfg.admit_ttft_slo_s)
-                               if cfg.admit_ttft_slo_s is not None else None)
-        self.decode_meter = streams = DecodeMeter()
-        metrics.predicted_tpot.labels(metrics.model).set_function(
-            lambda: streams.predict_tpot() or 0.0)
-        self.tpot_admission = (TpotAdmission(cfg.admit_tpot_slo_s)
-                               if cfg.admit_tpot_slo_s is not None else None)
         self.rng = random.Random()
         tpot_slo = cfg.tpot_slo_s if cfg.tpot_slo_s is not None else cfg.admit_tpot_slo_s
         self.split = (PrefillSplit(tpot_slo_s=tpot_slo) if cfg.conditional_disaggregation
                       else None)
+        self.tracker = Tracker(metrics, Admission(cfg.max_concurrency, cfg.max_queue),
+                               cfg.admit_ttft_slo_s, cfg.admit_tpot_slo_s, self.split)
 
     # -- RPCs ---------------------------------------------------------------------------------
     async def Generate(self, request: generation_pb2.GenerateRequest, context):
@@ -142,28 +97,27 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
     # -- the request ----------------------------------------------------------------------------
     async def _guarded(self, request, context,
                        emit: Callable[[generation_pb2.GenerateResponse], Awaitable[None]]) -> None:
-        """Status codes (and the outcome metric) for everything that can go wrong.
+        """The request's outcome as a gRPC status.
 
         Chunks are written from inside this coroutine rather than yielded to grpc: a client that
         leaves cancels the handler wherever it waits, and if that were grpc's own write, an
         async-generator handler would be left suspended and only closed by the garbage collector
         -- releasing the prefill worker's KV and recording the outcome late, as "error"."""
-        trace = self.metrics.trace()
+        life = self.tracker.track()
         try:
             async with contextlib.aclosing(
-                    self.stream(request, context.time_remaining(), trace)) as chunks:
+                    self.stream(request, context.time_remaining(), life)) as chunks:
                 async for chunk in chunks:
                     await emit(chunk)
-                    trace.sent(len(chunk.token_ids), chunk.HasField("finish_reason"))
-        except RequestFailed as e:
-            trace.failed(e)
-            await context.abort(e.code, str(e), trailing_metadata=e.grpc_trailers()
-                                if isinstance(e, Overloaded) else ())
-        except asyncio.CancelledError:
-            trace.finish(cancelled_outcome(context.time_remaining()))
-            raise
-        finally:
-            trace.finish("error")  # no-op unless something unexpected escaped
+                    life.sent(len(chunk.token_ids), chunk.HasField("finish_reason"))
+        except BaseException as e:
+            outcome = life.end(e, context.time_remaining())
+            if not isinstance(e, RequestFailed):
+                raise
+            await context.abort(outcome.code, outcome.message,
+                                trailing_metadata=grpc_trailers(outcome))
+        else:
+            life.end()  # counted already, unless the stream ran out without its last chunk
 
     def prepare(self, request: generation_pb2.GenerateRequest
                 ) -> tuple[Sequence[int], common_pb2.SamplingParams, tuple[str, ...]]:
@@ -220,48 +174,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                if exclude else ""))
 
     async def stream(self, request: generation_pb2.GenerateRequest, timeout: float | None,
-                     trace: RequestTrace) -> AsyncIterator[generation_pb2.GenerateResponse]:
+                     life: Lifecycle) -> AsyncIterator[generation_pb2.GenerateResponse]:
         """The request as response chunks; raises RequestFailed (InvalidArgument included).
         Shared by the gRPC service and the HTTP front. `timeout`: seconds left to the client."""
-        t0 = trace.arrival
         deadline = None if timeout is None else time.monotonic() + max(
             timeout - DEADLINE_MARGIN_S, 0.0)
         rid = request.request_id if request.HasField("request_id") else new_id()
         ids, sp, stops = self.prepare(request)
-        if self.ttft_admission is not None:
-            self.ttft_admission.check(self.prefill_meter, len(ids))
-        if self.tpot_admission is not None:
-            self.tpot_admission.check(self.decode_meter)
-        m = self.metrics
-        meter, n_prompt, streams = self.prefill_meter, len(ids), self.decode_meter
-        meter.start(n_prompt)
-        streams.joined()
-        answered, mark, n_out, finish = False, None, 0, None
-        m.waiting_m.inc()
+        await life.admit(rid, len(ids))
         try:
-            await self.admission.acquire()
-        except BaseException:
-            meter.abandoned(n_prompt)
-            streams.left(None)
-            raise
-        finally:
-            m.waiting_m.dec()
-        m.running_m.inc()
-        try:
-            queue_s = time.perf_counter() - t0
             timings = FlowTimings()
             detok = None if request.skip_detokenize else IncrementalDetokenizer(
                 self.tokenizer, skip_special_tokens=not request.HasField("skip_special_tokens")
                 or request.skip_special_tokens)
             stop = StopMatcher(stops)
-            stop_reason = None
-            flow = self._migrating(rid, ids, sp, request.local_prefill, deadline, timings, trace)
+            stop_reason, n_out = None, 0
+            flow = self._migrating(rid, ids, sp, request.local_prefill, deadline, timings, life)
             try:
                 async for ev in flow:
-                    if not answered and ev.token_ids:
-                        answered = True
-                        meter.answered(n_prompt)
-                        mark = streams.first_token()
                     n_out += len(ev.token_ids)
                     text = ""
                     if detok is not None:
@@ -274,29 +204,22 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     finish = ev.finish_reason
                     if stop_reason is not None:
                         finish = common_pb2.FINISH_REASON_STOP
+                    life.received(len(ev.token_ids), finish is not None)
                     if finish is not None:
                         if detok is not None and stop_reason is None:
                             chunk.text += stop.feed(detok.flush())[0] + stop.flush()
-                        self._finish(chunk, finish, stop_reason, len(ids), n_out, queue_s,
-                                     timings, t0)
+                        self._finish(chunk, finish, stop_reason, len(ids), n_out, life, timings)
                     yield chunk
                     if finish is not None:
                         break
             finally:
                 await flow.aclose()  # cancels the decode RPC when we stopped early
         finally:
-            if not answered:
-                meter.abandoned(n_prompt)
-            if finish is not None and mark is not None:
-                streams.finished(mark, n_out)
-            else:
-                streams.left(mark)
-            m.running_m.dec()
-            self.admission.release()
+            life.left()
 
     async def _migrating(self, rid: str, ids: Sequence[int], sp: common_pb2.SamplingParams,
                          local: bool, deadline: float | None, timings: FlowTimings,
-                         trace: RequestTrace) -> AsyncIterator[TokenEvent]:
+                         life: Lifecycle) -> AsyncIterator[TokenEvent]:
         """run_flow's events, surviving worker failures: when a worker fails the request (dies,
         breaks its stream, errs), what is left runs on other workers from the prompt plus the
         tokens already streamed, so the client's stream goes on without a gap or a repeat (with
@@ -309,20 +232,16 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                                          prompt_ids=ids)
             prompt = [*ids, *out] if out else ids  # after a migration: what was streamed too
             rest = remaining(sp, len(out))
-            track = None
+            placement = None
             if self.split is not None:  # conditional disaggregation (router/split.py)
                 placement = self.split.place(prompt, prefill, decode)
                 prefill = prefill if placement.remote else None
-                track = self.split.started(placement, prefill, decode, rest.max_tokens)
-            if not failed:
-                trace.admitted(len(ids), prefill is not None)
+            life.routed(prefill, decode, placement, rest.max_tokens)
             flow = run_flow(rid, prompt, rest, prefill, decode, deadline, timings)
             try:
                 async with contextlib.aclosing(flow):
                     async for ev in flow:
                         out += ev.token_ids
-                        if track is not None:
-                            track.tokens(len(ev.token_ids))
                         yield ev
                 return
             except WorkerFailed as e:
@@ -331,22 +250,24 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
                     raise RequestFailed(grpc.StatusCode.UNAVAILABLE,
                                         f"{e} (gave up after {len(failed) - 1} migration(s); "
                                         f"failed workers: {', '.join(failed)})") from e
-                self.metrics.migrations_m.inc()
-                log.warning("request %s: %s; migrating with %d of %d tokens generated", rid, e,
-                            len(out), sp.max_tokens)
-            finally:
-                if track is not None:
-                    track.close()
+                life.migrated(e, sp.max_tokens)
 
     @staticmethod
     def _finish(chunk, finish: int, stop_reason: str | None, n_prompt: int, n_out: int,
-                queue_s: float, t: FlowTimings, t0: float) -> None:
+                life: Lifecycle, t: FlowTimings) -> None:
         chunk.finish_reason = finish
         if stop_reason is not None:
             chunk.stop_reason = stop_reason
         chunk.usage.CopyFrom(common_pb2.Usage(prompt_tokens=n_prompt, completion_tokens=n_out))
-        now = time.perf_counter()
+        now, t0 = time.perf_counter(), life.arrival
         chunk.timings.CopyFrom(common_pb2.Timings(
-            queue_s=queue_s + t.worker_queue_s, prefill_s=t.prefill_s,
+            queue_s=life.queue_s + t.worker_queue_s, prefill_s=t.prefill_s,
             transfer_s=t.transfer_s, decode_s=t.decode_s,
             ttft_s=(t.first_token_at or now) - t0, e2e_s=now - t0))
+
+
+def grpc_trailers(outcome: Outcome) -> tuple[tuple[str, str], ...]:
+    """A refusal's hint of when to come back, as grpc's retry pushback."""
+    if outcome.retry_after_s is None:
+        return ()
+    return (("grpc-retry-pushback-ms", str(math.ceil(outcome.retry_after_s * 1000))),)

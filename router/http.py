@@ -12,6 +12,7 @@ import asyncio
 import contextlib
 import json
 import json.encoder
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any, TypeVar
@@ -21,11 +22,11 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from router.errors import InvalidArgument, RequestFailed
+from router.errors import RequestFailed
 from router.generation import GenerationService
 from router.ids import new_id
-from router.metrics import RequestTrace
-from router.slo import Overloaded
+from router.lifecycle import Lifecycle
+from router.outcome import Outcome
 from splitserve import finish
 from splitserve.credentials import matches
 from splitserve.v1 import generation_pb2
@@ -244,16 +245,16 @@ async def _run(service: GenerationService, request: Request,
     if not isinstance(stream, bool) or not isinstance(body.get("stream_options") or {}, dict):
         raise ApiError(400, "stream must be true or false and stream_options an object",
                        "stream")
-    trace = service.metrics.trace(request.scope.get(ARRIVAL))
-    chunks = _guard(service.stream(req, timeout, trace), trace)
+    life = service.tracker.track(request.scope.get(ARRIVAL))
+    chunks = _guard(service.stream(req, timeout, life), life)
     # Errors before the first chunk become HTTP statuses.
     first = await _unless_gone(request, _first(chunks), chunks)
     created = int(time.time())
     if stream:
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return StreamingResponse(_sse(first, chunks, rid, created, service.served_model, chat,
-                                      usage, trace), media_type="text/event-stream")
-    text, last = await _unless_gone(request, _collect(first, chunks, trace), chunks)
+                                      usage, life), media_type="text/event-stream")
+    text, last = await _unless_gone(request, _collect(first, chunks, life), chunks)
     choice: dict[str, Any] = {"index": 0, "finish_reason": finish.to_word(last.finish_reason),
                               "logprobs": None}
     if chat:
@@ -267,15 +268,15 @@ async def _run(service: GenerationService, request: Request,
             "usage": _usage(last)}
 
 
-async def _collect(first, chunks: AsyncIterator, trace: RequestTrace) -> tuple[str, Any]:
+async def _collect(first, chunks: AsyncIterator, life: Lifecycle) -> tuple[str, Any]:
     """A non-streamed answer: its tokens count as they reach the router (the client gets them
     all at once, at the end)."""
     text, last = first.text, first
-    trace.sent(len(first.token_ids), first.HasField("finish_reason"))
+    life.sent(len(first.token_ids), first.HasField("finish_reason"))
     async for c in chunks:
         text += c.text
         last = c
-        trace.sent(len(c.token_ids), c.HasField("finish_reason"))
+        life.sent(len(c.token_ids), c.HasField("finish_reason"))
     return text, last
 
 
@@ -310,28 +311,33 @@ def _usage(c: generation_pb2.GenerateResponse) -> dict[str, int]:
     return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
 
-async def _guard(chunks: AsyncIterator, trace) -> AsyncIterator:
+async def _guard(chunks: AsyncIterator, life: Lifecycle) -> AsyncIterator:
+    """The stream, its failures as ApiErrors, its outcome counted."""
     try:
         async with contextlib.aclosing(chunks):  # closed now, not whenever it is collected
             async for c in chunks:
                 yield c
-    except InvalidArgument as e:
-        trace.finish(e.outcome)
-        status = 404 if e.field == "model" else 400
-        # OpenAI names request fields flat ("temperature", not "sampling.temperature").
-        raise ApiError(status, str(e), e.field.removeprefix("sampling."),
-                       code="model_not_found" if status == 404 else None) from e
-    except RequestFailed as e:
-        trace.failed(e)
-        raise ApiError(e.http_status, str(e), kind="invalid_request_error"
-                       if e.http_status == 400 else "server_error",
-                       headers=e.http_headers() if isinstance(e, Overloaded)
-                       else RETRY_UNAVAILABLE if e.http_status == 503 else None) from e
-    except (asyncio.CancelledError, GeneratorExit):
-        trace.finish("cancelled")  # the HTTP client went away
+    except BaseException as e:  # GeneratorExit, CancelledError: the HTTP client went away
+        outcome = life.end(e)
+        if isinstance(e, RequestFailed):
+            raise api_error(outcome) from e
         raise
-    finally:
-        trace.finish("error")
+    life.end()  # counted already, unless the stream ran out without its last chunk
+
+
+def api_error(outcome: Outcome) -> ApiError:
+    """A failed request's outcome as an OpenAI error and its HTTP status."""
+    if outcome.field is not None:  # an invalid argument
+        status = 404 if outcome.field == "model" else 400
+        # OpenAI names request fields flat ("temperature", not "sampling.temperature").
+        return ApiError(status, outcome.message, outcome.field.removeprefix("sampling."),
+                        code="model_not_found" if status == 404 else None)
+    status = outcome.http_status
+    retry = outcome.retry_after_s
+    return ApiError(status, outcome.message,
+                    kind="invalid_request_error" if status == 400 else "server_error",
+                    headers={"Retry-After": str(math.ceil(retry))} if retry is not None
+                    else RETRY_UNAVAILABLE if status == 503 else None)
 
 
 # A 503 (no worker for the request, or draining) asks clients to come back, as a 429 does:
@@ -347,7 +353,7 @@ async def _first(chunks: AsyncIterator):
 
 
 async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str, chat: bool,
-               include_usage: bool, trace: RequestTrace) -> AsyncIterator[str]:
+               include_usage: bool, life: Lifecycle) -> AsyncIterator[str]:
     """The stream's server-sent events. Starlette resumes this generator only once it has
     written the previous event to the connection: that is where each chunk counts as sent."""
     obj = "chat.completion.chunk" if chat else "text_completion"
@@ -375,11 +381,11 @@ async def _sse(first, chunks: AsyncIterator, rid: str, created: int, model: str,
 
     try:
         yield token_event(first)
-        trace.sent(len(first.token_ids), first.HasField("finish_reason"))
+        life.sent(len(first.token_ids), first.HasField("finish_reason"))
         async for c in chunks:
             last = c
             yield token_event(c)
-            trace.sent(len(c.token_ids), c.HasField("finish_reason"))
+            life.sent(len(c.token_ids), c.HasField("finish_reason"))
     except ApiError as e:  # mid-stream: headers are sent, so the error goes in the stream
         yield _event({"error": {"message": str(e), "type": e.kind, "code": e.status}})
         return

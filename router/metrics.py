@@ -6,22 +6,19 @@ once, so counters move by exactly one per request whatever path it ended on.
 
 The latencies are what clients see: a request arrives when its front first holds it (the ASGI
 call, before the body is read; the gRPC handler), and a token counts when its bytes have been
-handed to the client's connection (`sent`, called by the front after each write), not when the
-router first had it (issue #45: taken where the router had them, they said 0.27 s of TTFT on a
-busy host while clients waited 1.2-1.8 s).
+handed to the client's connection (`Lifecycle.sent` in router/lifecycle.py, which the front calls
+after each write), not when the router first had it (issue #45: taken where the router had them,
+they said 0.27 s of TTFT on a busy host while clients waited 1.2-1.8 s).
 """
 
 from __future__ import annotations
 
-import logging
 import time
 from dataclasses import dataclass, field
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from router.errors import RequestFailed
-
-log = logging.getLogger(__name__)
+from router.outcome import LABELS
 
 # Buckets in seconds: vLLM's (sub-millisecond to minutes) and more between 0.1 and 5 s, where
 # most times to first token fall, so that a quantile read from the histogram (Prometheus
@@ -31,7 +28,6 @@ _LATENCY = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.125, 0.15, 0.2, 0
             40.0, 80.0, 160.0, 640.0)
 _TOKEN = (0.001, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2,
           0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 10.0)
-OUTCOMES = ("finished", "cancelled", "deadline", "rejected", "invalid", "unavailable", "error")
 
 
 class RouterMetrics:
@@ -84,7 +80,7 @@ class RouterMetrics:
         # The children every request touches, looked up once: labels() costs a lock and a hash
         # per call, a request touches a dozen, and some run for every token. Looking them up
         # here also exports zeros, so rate() and the dashboard work from the first request on.
-        self.outcome_m = {o: self.requests.labels(model, o) for o in OUTCOMES}
+        self.outcome_m = {o: self.requests.labels(model, o) for o in LABELS}
         self.running_m, self.waiting_m = self.running.labels(model), self.waiting.labels(model)
         self.ttft_m, self.itl_m = self.ttft.labels(model), self.itl.labels(model)
         self.migrations_m = self.migrations.labels(model)
@@ -128,19 +124,6 @@ class RequestTrace:
             m.itl_m.observe(now - self.last_token_at)
         self.last_token_at = now
         self.num_out += n
-
-    def sent(self, num_tokens: int, final: bool) -> None:
-        """A chunk of `num_tokens` has been written to the client; `final`: it was the last."""
-        self.tokens(num_tokens)
-        if final:
-            self.finish("finished")
-
-    def failed(self, e: RequestFailed) -> None:
-        """The request ends with `e`; a refusal (overload, no worker) is also logged: the client
-        got a 429/503 and the log says why."""
-        if not self.done and e.outcome in ("rejected", "unavailable"):
-            log.info("request refused (%s): %s", e.code.name, e)
-        self.finish(e.outcome)
 
     def finish(self, outcome: str) -> None:
         if self.done:

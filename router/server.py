@@ -123,7 +123,7 @@ async def serve(cfg: RouterConfig, ready_file: str | None = None,
     await stop.wait()
     # Drain: NOT_SERVING, no new calls on either front, in-flight requests finish (bounded).
     await set_serving(health_servicer, SERVICES, False)
-    log.info("router draining: %d request(s) in flight", service.admission.running)
+    log.info("router draining: %d request(s) in flight", service.tracker.admission.running)
     if http_task is not None:
         http.should_exit = True
     await asyncio.gather(*(s.stop(grace=cfg.drain_timeout_s) for s in servers),

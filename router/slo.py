@@ -3,7 +3,7 @@
 A request admitted into a queue it cannot get through in time is served late, and it makes every
 request behind it late too; refused at once, with a hint of when to come back, it can go to
 another replica or retry after the burst. Off unless the deployment sets a TTFT SLO
-(`--admit-ttft-slo`); off is the plain queue (router/generation.py, `Admission`).
+(`--admit-ttft-slo`); off is the plain queue (`Admission`, below).
 
 The prediction is the pool's own recent speed (`PrefillMeter`): the prompt tokens admitted and
 not yet answered with a first token, plus this prompt, divided by the prompt tokens the pool has
@@ -24,14 +24,13 @@ go on, and the prediction is their mean TPOT.
 
 from __future__ import annotations
 
+import asyncio
 import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import grpc
-
-from router.errors import RequestFailed
+from router.errors import Overloaded
 
 # Each answered request weighs this much less than the one after it: a memory of roughly the last
 # ten, so the rate follows a change of load or of workers within seconds.
@@ -211,16 +210,30 @@ class TpotAdmission:
             f"joining); retry after {math.ceil(wait)} s", wait)
 
 
-class Overloaded(RequestFailed):
-    """Refused now rather than served late; `retry_after_s` says when the queue will have room
-    (gRPC trailer `grpc-retry-pushback-ms`, HTTP header `Retry-After`)."""
+@dataclass
+class Admission:
+    """`max_concurrency` slots and at most `max_queue` requests waiting for one."""
 
-    def __init__(self, message: str, retry_after_s: float) -> None:
-        super().__init__(grpc.StatusCode.RESOURCE_EXHAUSTED, message)
-        self.retry_after_s = retry_after_s
+    max_concurrency: int
+    max_queue: int
 
-    def grpc_trailers(self) -> tuple[tuple[str, str], ...]:
-        return (("grpc-retry-pushback-ms", str(math.ceil(self.retry_after_s * 1000))),)
+    def __post_init__(self) -> None:
+        self._slots = asyncio.Semaphore(self.max_concurrency)
+        self.waiting = 0
+        self.running = 0
 
-    def http_headers(self) -> dict[str, str]:
-        return {"Retry-After": str(math.ceil(self.retry_after_s))}
+    async def acquire(self) -> None:
+        if self._slots.locked() and self.waiting >= self.max_queue:
+            # Retry-After: a slot frees as often as a request ends; a second is a fair floor.
+            raise Overloaded(f"overloaded: {self.running} running and {self.waiting} queued "
+                             f"(max_queue {self.max_queue}); retry later", 1.0)
+        self.waiting += 1
+        try:
+            await self._slots.acquire()
+        finally:
+            self.waiting -= 1
+        self.running += 1
+
+    def release(self) -> None:
+        self.running -= 1
+        self._slots.release()

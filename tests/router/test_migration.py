@@ -64,7 +64,7 @@ async def _tokens(svc: GenerationService, n: int) -> list[int]:
                                          sampling=common_pb2.SamplingParams(max_tokens=n),
                                          skip_detokenize=True)
     out = []
-    async for chunk in svc.stream(req, None, svc.metrics.trace()):
+    async for chunk in svc.stream(req, None, svc.tracker.track()):
         out += chunk.token_ids
     return out
 
@@ -101,7 +101,7 @@ def test_a_failed_worker_is_replaced_and_the_stream_goes_on(
     assert len(set(order)) == 3  # a failed worker is not tried again for this request
     # Each new worker got the prompt plus what was already streamed, and only what is left.
     assert [(n, m) for _, n, m in calls] == [(4, 10), (7, 7), (10, 4)]
-    assert svc.metrics.migrations_m._value.get() == 2
+    assert svc.tracker.metrics.migrations_m._value.get() == 2
 
 
 def test_past_the_limit_unavailable_names_the_failed_workers(

@@ -5,6 +5,9 @@ from __future__ import annotations
 import grpc
 import pytest
 
+from router.generation import grpc_trailers
+from router.http import api_error
+from router.outcome import outcome_of
 from router.slo import DecodeMeter, Overloaded, PrefillMeter, TpotAdmission, TtftAdmission
 
 
@@ -67,11 +70,12 @@ def test_admission_refuses_what_would_miss_the_slo_with_a_retry_hint() -> None:
     with pytest.raises(Overloaded) as e:
         gate.check(meter, 1000)  # 1.5 s predicted
     err = e.value
-    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.http_status == 429
-    assert err.outcome == "rejected"
+    outcome = outcome_of(err)
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and outcome.http_status == 429
+    assert outcome.label == "rejected"
     assert err.retry_after_s == pytest.approx(0.5)
-    assert err.http_headers() == {"Retry-After": "1"}
-    assert err.grpc_trailers() == (("grpc-retry-pushback-ms", "500"),)
+    assert api_error(outcome).headers == {"Retry-After": "1"}
+    assert grpc_trailers(outcome) == (("grpc-retry-pushback-ms", "500"),)
     assert "predicted time to first token 1.50 s exceeds the SLO of 1 s" in str(err)
 
 
@@ -154,7 +158,7 @@ def test_tpot_admission_refuses_with_a_retry_hint() -> None:
     with pytest.raises(Overloaded) as e:
         TpotAdmission(slo_s=0.015).check(meter)
     err = e.value
-    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and err.outcome == "rejected"
+    assert err.code == grpc.StatusCode.RESOURCE_EXHAUSTED and outcome_of(err).label == "rejected"
     assert "predicted time per output token 20.0 ms exceeds the SLO of 15 ms" in str(err)
     assert "4 streams decoding" in str(err)
     assert err.retry_after_s == pytest.approx(0.5)  # a 2 s decode, one of four places frees

@@ -6,6 +6,7 @@ import grpc
 import pytest
 
 from router.errors import RequestFailed
+from router.outcome import outcome_of
 from router.validation import (
     InvalidArgument,
     RequestLimits,
@@ -39,7 +40,7 @@ def rejects(field: str, fn, *args, **kwargs) -> InvalidArgument:
 def test_error_format() -> None:
     err = InvalidArgument("sampling.temperature", "must be in [0, 2], got 3.0")
     assert isinstance(err, RequestFailed) and err.code == grpc.StatusCode.INVALID_ARGUMENT
-    assert (err.outcome, err.http_status) == ("invalid", 400)
+    assert (outcome_of(err).label, outcome_of(err).http_status) == ("invalid", 400)
     assert str(err) == "sampling.temperature: must be in [0, 2], got 3.0"
 
 
