@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from deploy.cli import build_parser
+from splitserve.settings import parse_args
 
 ROOT = Path(__file__).resolve().parent.parent
 K8S = ROOT / "deploy/k8s"
@@ -51,12 +52,29 @@ def test_schema_validation_catches_a_wrong_field() -> None:
         kubernetes_validate.validate(dep, K8S_VERSION, strict=True)
 
 
+def _parse(c: dict, d: dict, configs: dict[str, dict], tmp: Path):
+    """The container's command line as `splitserve` reads it, its --config file from the
+    ConfigMap that the path names, through the pod's volume."""
+    volumes = {v["name"]: v for v in d["spec"]["template"]["spec"].get("volumes", [])}
+    mounts = {m["mountPath"]: volumes[m["name"]] for m in c.get("volumeMounts", [])}
+    args = [a.replace("$(POD_IP)", "10.0.0.1") for a in c["args"]]
+    for i, a in enumerate(args):
+        for root, volume in mounts.items():
+            if a.startswith(root + "/") and "configMap" in volume:
+                local = tmp / volume["configMap"]["name"] / a[len(root) + 1:]
+                local.parent.mkdir(parents=True, exist_ok=True)
+                local.write_text(configs[volume["configMap"]["name"]][a[len(root) + 1:]])
+                args[i] = str(local)
+    return parse_args(build_parser(), args)
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_overlay_kinds_and_wiring(overlay: str) -> None:
+def test_overlay_kinds_and_wiring(overlay: str, tmp_path: Path) -> None:
     docs = render(overlay)
     kinds = sorted(d["kind"] for d in docs)
     assert kinds == sorted(["Deployment"] * 3 + ["Service"] * 2 + ["PodDisruptionBudget"] * 2
-                           + ["HorizontalPodAutoscaler"] * 2 + ["PodMonitor"])
+                           + ["HorizontalPodAutoscaler"] * 2 + ["PodMonitor", "ConfigMap"])
+    configs = {d["metadata"]["name"]: d["data"] for d in docs if d["kind"] == "ConfigMap"}
     by = {(d["kind"], d["metadata"]["name"]): d for d in docs}
     registry = by[("Service", "splitserve-registry")]
     assert registry["spec"]["publishNotReadyAddresses"] is True  # workers reach a router
@@ -65,7 +83,8 @@ def test_overlay_kinds_and_wiring(overlay: str) -> None:
     for d in pods.values():
         (c,) = _containers(d)
         assert c["command"] == ["splitserve"]
-        args = build_parser().parse_args([a.replace("$(POD_IP)", "10.0.0.1") for a in c["args"]])
+        args = _parse(c, d, configs, tmp_path)
+        assert "--config" in c["args"]  # every component reads the shared settings file
         ports = {p["name"]: p["containerPort"] for p in c["ports"]}
         grpc_port = args.port
         assert ports["grpc"] == grpc_port == c["readinessProbe"]["grpc"]["port"]
@@ -78,6 +97,7 @@ def test_overlay_kinds_and_wiring(overlay: str) -> None:
             "metadata"]["labels"].items()
         if args.command == "router":
             assert ports["cluster"] == args.cluster_port == registry["spec"]["ports"][0]["port"]
+            assert ports["http"] == args.http_port
             assert "SPLITSERVE_API_KEY" in secrets and "SPLITSERVE_KV_SECRET" not in secrets
             # Liveness must not wait for workers (/health and gRPC health do).
             assert c["livenessProbe"]["httpGet"]["path"] == "/metrics"
@@ -87,6 +107,8 @@ def test_overlay_kinds_and_wiring(overlay: str) -> None:
             assert args.advertise_host == args.kv_host == "10.0.0.1"
             assert "SPLITSERVE_KV_SECRET" in secrets and "SPLITSERVE_API_KEY" not in secrets
             assert c["startupProbe"]["grpc"]["port"] == grpc_port
+    models = {_parse(_containers(d)[0], d, configs, tmp_path).model for d in pods.values()}
+    assert models == ({"/models/model"} if overlay.endswith("gpu") else {"tiny"})
     gpu = [_containers(d)[0]["resources"].get("limits", {}).get("nvidia.com/gpu")
            for n, d in pods.items() if n != "splitserve-router"]
     assert gpu == ([1, 1] if overlay.endswith("gpu") else [None, None])

@@ -9,8 +9,11 @@ What it keeps of Kubernetes (the parts a rollout's convergence depends on):
             the pod IP — the network namespace, reduced to an address.
   services  a ClusterIP 127.0.2.N per Service, a TCP proxy per port that sends each new
             connection to a pod the selector matches *and whose readiness probe passes* —
-            unless the Service publishes not-ready addresses. Service names in args and env
-            (`name`, `name.ns.svc`, `name.ns.svc.cluster.local`) resolve to the ClusterIP.
+            unless the Service publishes not-ready addresses. Service names in args, env and
+            mounted ConfigMaps (`name`, `name.ns.svc`, `name.ns.svc.cluster.local`) resolve to
+            the ClusterIP.
+  volumes   a PersistentVolumeClaim is a host directory given to the sim; a ConfigMap is its
+            data written to files, as the kubelet projects it.
   probes    startup, then readiness and liveness, run as the kubelet runs them: gRPC health
             Check (service "" unless named) to podIP:port, HTTP GET (2xx/3xx), TCP connect;
             ports by number or by the container port's name. Periods are capped at 1 s: the
@@ -148,17 +151,33 @@ class Cluster:
         return [str(Path(sys.executable).with_name("splitserve")), *args]
 
     def _mounted(self, pod: Pod, arg: str) -> str:
-        """A path under a volume mount → the claim's host directory: a bind mount, reduced to
-        the paths a command line names."""
+        """A path under a volume mount → the claim's host directory, or a ConfigMap's files: a
+        bind mount, reduced to the paths a command line names."""
         volumes = {v["name"]: v for v in pod.volumes}
         for m in pod.container.get("volumeMounts", []):
             root = m["mountPath"].rstrip("/")
+            if (arg == root or arg.startswith(root + "/")) and "configMap" in volumes[m["name"]]:
+                return str(self._config_map(pod, volumes[m["name"]]["configMap"]["name"])
+                           ) + arg[len(root):]
             if arg == root or arg.startswith(root + "/"):
                 claim = volumes[m["name"]]["persistentVolumeClaim"]["claimName"]
                 if claim not in self.claims:
                     raise NotConverged(f"{pod.name}: PersistentVolumeClaim {claim!r} unbound")
                 return str(self.claims[claim]) + arg[len(root):]
         return arg
+
+    def _config_map(self, pod: Pod, name: str) -> Path:
+        """The ConfigMap's files as `pod` sees them: Service names resolved, and paths under
+        the pod's claim mounts (a model's directory) moved to the claims' host directories."""
+        (data,) = [d.get("data", {}) for d in self.docs
+                   if d["kind"] == "ConfigMap" and d["metadata"]["name"] == name]
+        out = self.dir / "configmaps" / pod.name / name
+        out.mkdir(parents=True, exist_ok=True)
+        for key, text in data.items():
+            text = "\n".join(" ".join(self._mounted(pod, w) for w in line.split(" "))
+                              for line in self._resolve_names(text).splitlines())
+            (out / key).write_text(text + "\n")
+        return out
 
     def start(self) -> None:
         # Every pod's env and command first: a pod that cannot start fails the rollout before

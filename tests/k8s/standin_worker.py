@@ -30,6 +30,7 @@ from splitserve.engine import EngineConfig
 from splitserve.health import set_serving
 from splitserve.models import resolve_model
 from splitserve.roles import Role
+from splitserve.settings import parse_args
 from splitserve.v1 import common_pb2, worker_pb2_grpc
 from splitserve.worker.config import WorkerConfig
 from splitserve.worker.registration import heartbeat_loop
@@ -48,7 +49,7 @@ class _Metrics(BaseHTTPRequestHandler):
 
 
 async def serve(argv: list[str]) -> None:
-    a = build_parser().parse_args(argv)
+    a = parse_args(build_parser(), argv)  # with its --config file, as the real worker
     role = Role(a.command)
     token = sec.cluster_token_of(a)
     sec.require_on_network(a.host, f"a {role} worker", token, "a cluster credential")
