@@ -317,7 +317,7 @@ async def _guard(chunks: AsyncIterator, life: Lifecycle) -> AsyncIterator:
         async with contextlib.aclosing(chunks):  # closed now, not whenever it is collected
             async for c in chunks:
                 yield c
-    except BaseException as e:  # GeneratorExit, CancelledError: the HTTP client went away
+    except BaseException as e:  # a failure, or the client gone (GeneratorExit, CancelledError)
         outcome = life.end(e)
         if isinstance(e, RequestFailed):
             raise api_error(outcome) from e

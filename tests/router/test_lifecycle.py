@@ -63,7 +63,6 @@ def test_a_request_is_counted_once_and_gives_its_slot_back() -> None:
         with pytest.raises(Overloaded) as e:  # the only slot is taken and no one may wait
             await refused.admit("b", 4)
         assert refused.end(e.value).label == "rejected"
-        served.routed(None, None, None, 2)  # type: ignore[arg-type]  (no worker is called)
         for final in (False, True):
             served.received(1, final)
             served.sent(1, final)
