@@ -37,6 +37,7 @@ from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
 from splitserve.kv.ticket import KVTicket, TransferId
+from splitserve.kv.transport.arena import ArenaKind
 
 ROOT = Path(__file__).resolve().parents[1]
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -89,10 +90,11 @@ def main(cfg: dict[str, Any]) -> None:
         elif op == "release":
             reply = {"state": prod.release(TransferId(cmd["transfer_id"]))}
         elif op == "connections":
+            arena = next((k.arena for k in prod.kinds if isinstance(k, ArenaKind)), None)
             reply = {"connections": prod.connections, "accepted": prod.accepted, "threads": sum(
                 t.name.startswith("kv-producer") for t in threading.enumerate()),
-                "arena": prod.arena.name if prod.arena else None,
-                "arena_free": prod.arena.free_bytes() if prod.arena else 0}
+                "arena": arena.name if arena else None,
+                "arena_free": arena.free_bytes() if arena else 0}
         elif op == "finished":
             reply = {"finished": sorted(prod.take_finished()), "status": prod.status(),
                      "total": prod.stats.total.to_dict()}

@@ -100,3 +100,25 @@ def scatter_layer(src: torch.Tensor, layer: torch.Tensor, idx: torch.Tensor) -> 
     """Write one layer's part of a staging view (`src[i]`) into blocks `idx` of `layer` (one of
     `layer_blocks`; `idx` from `block_index`, made once for all layers)."""
     layer.index_copy_(0, idx, src)
+
+
+def gather_held(kv_caches: dict[str, torch.Tensor], raw: torch.Tensor | None, held: list[int],
+                want: list[int], snapshot: torch.Tensor | None) -> torch.Tensor:
+    """Blocks `want` (a subset of the `held` ones, in the consumer's order) as staging bytes:
+    into `raw`, or, when None, the copy-out `snapshot` itself (all of it, in order). Read from
+    the snapshot when the hold copied the blocks out, else from the cache."""
+    if snapshot is not None and want == held:
+        if raw is None:
+            return snapshot  # the common case: everything, in order, already contiguous
+        raw.copy_(snapshot[:raw.numel()])
+        return raw
+    assert raw is not None
+    out = staging_view(raw, kv_caches, len(want))
+    if snapshot is None:
+        gather(kv_caches, want, out)
+    else:
+        where = {b: i for i, b in enumerate(held)}
+        snap = staging_view(snapshot, kv_caches, len(held))
+        pos = torch.tensor([where[b] for b in want], dtype=torch.long, device=snap.device)
+        torch.index_select(snap, 1, pos, out=out)
+    return raw

@@ -18,14 +18,16 @@ import logging
 import torch
 from torch.distributed import PrefixStore, Store, TCPStore
 
+from splitserve.kv.transport import TransportError
+
 log = logging.getLogger(__name__)
 
 PRODUCER_RANK = 0
 CONSUMER_RANK = 1
 
 
-class TransferError(RuntimeError):
-    """A transfer on a pair channel failed or timed out; the channel must be discarded."""
+# A transfer on a pair channel failed or timed out; the channel must be discarded.
+TransferError = TransportError
 
 
 def host_store(host: str, port: int = 0, timeout_s: float = 30.0) -> TCPStore:

@@ -9,6 +9,8 @@ from __future__ import annotations
 import threading
 from dataclasses import asdict, dataclass, field
 
+SAME_HOST = ("shm", "arena")  # the paths that count as shm_transfers
+
 
 @dataclass
 class TransferSample:
@@ -56,10 +58,11 @@ class TransferStats:
         self._pending = TransferSample()
         self.total = TransferSample()  # since start, for logs and tests
 
-    def record_transfer(self, nbytes: int, seconds: float, shm: bool = False,
-                        arena: bool = False) -> None:
-        self._add(TransferSample(1, nbytes, seconds, shm_transfers=int(shm),
-                                 arena_transfers=int(arena), samples=[(nbytes, seconds)]))
+    def record_transfer(self, nbytes: int, seconds: float, path: str = "pair") -> None:
+        """One transfer, by the path its bytes took (a transport's label: transport/)."""
+        self._add(TransferSample(1, nbytes, seconds, shm_transfers=int(path in SAME_HOST),
+                                 arena_transfers=int(path == "arena"),
+                                 samples=[(nbytes, seconds)]))
 
     def record_failure(self) -> None:
         self._add(TransferSample(failures=1))

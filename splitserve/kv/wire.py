@@ -1,8 +1,9 @@
 """Side-channel wire format: length-prefixed JSON messages over a TCP socket, plus mutual auth.
 
-The side channel carries only small control messages (handshake, "send transfer T", replies);
-bulk KV bytes go over the pair channel. JSON keeps it debuggable with a packet capture, and a
-size cap keeps a confused or hostile peer from making us allocate gigabytes.
+The side channel carries only small control messages (messages.py: the handshake, "send
+transfer T", replies); bulk KV bytes go by the connection's transport (transport/). JSON keeps
+it debuggable with a packet capture, and a size cap keeps a confused or hostile peer from making
+us allocate gigabytes.
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ from splitserve.kv import shm
 def test_a_sigkilled_consumer_leaves_no_segment() -> None:
     """The segment is created through multiprocessing's shared memory, whose resource tracker
     unlinks what a dead process left behind."""
-    code = ("import os, signal, sys; from splitserve.kv.shm import ConsumerStaging; "
+    code = ("import os, signal, sys; from splitserve.kv.transport.shm import ConsumerStaging; "
             "s = ConsumerStaging(); print(s.segment.name, flush=True); sys.stdin.readline(); "
             "os.kill(os.getpid(), signal.SIGKILL)")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
@@ -37,8 +37,8 @@ def test_segments_of_a_killed_process_group_are_swept_and_live_ones_kept() -> No
     """SIGKILL to the whole group takes the resource tracker too, and the segment stays; the
     next process to make a segment sweeps it, and leaves alone the ones a live process holds
     (however old) and young ones (their creator may not hold its lock yet)."""
-    code = ("from splitserve.kv.shm import ConsumerStaging; import sys; s = ConsumerStaging(); "
-            "print(s.segment.name, flush=True); sys.stdin.readline()")
+    code = ("from splitserve.kv.transport.shm import ConsumerStaging; import sys; "
+            "s = ConsumerStaging(); print(s.segment.name, flush=True); sys.stdin.readline()")
     proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, text=True,
                             stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             start_new_session=True)

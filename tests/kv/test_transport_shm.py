@@ -1,5 +1,6 @@
-"""KV transport on one host: the consumer's shared segment and the producer's hold arena (shm.py),
-with a real Producer process and a real Consumer (harness: transport_harness.py)."""
+"""KV transport on one host: the consumer's shared segment (transport/shm.py) and the producer's
+hold arena (transport/arena.py), with a real Producer process and a real Consumer (harness:
+transport_harness.py). What they share with every transport: test_transport_conformance.py."""
 
 from __future__ import annotations
 
@@ -24,8 +25,8 @@ def test_shared_segment_is_reused_and_grown_with_the_largest_pull(producers, con
         p.cmd(op="hold", transfer_id=f"t{i}", block_ids=ids)
         assert pull(c, p, f"t{i}", ids, ids[::-1]).ok
         (peer,) = c._peers.values()
-        names.append(peer.conn.shm.segment.name)
-        assert peer.conn.shm.segment.size >= n * block
+        names.append(peer.conn.end.staging.segment.name)
+        assert peer.conn.end.staging.segment.size >= n * block
         # The one it replaced is unlinked.
         assert own_segments() == {names[-1]}
     assert names[0] == names[1] != names[2] == names[3]
@@ -41,7 +42,7 @@ def test_a_producer_that_cannot_share_memory_gets_the_pair_channel(producers, co
     p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
     assert pull(c, p, "t1", [1, 2], [3, 4]).ok
     (peer,) = c._peers.values()
-    assert peer.conn.shm is None and peer.conn.chan is not None
+    assert peer.conn.offer == "pair"
     assert c.stats.total.shm_transfers == 0 and not own_segments()
     for name, want in p.expected([1, 2]).items():
         assert torch.equal(c.caches[name][[3, 4]].view(torch.uint8), want.view(torch.uint8))
@@ -75,7 +76,7 @@ def test_a_full_dev_shm_sends_the_transfer_over_the_pair_channel(producers, cons
         assert torch.equal(c.caches[name][list(range(39, -1, -1))].view(torch.uint8),
                            want.view(torch.uint8))
     (peer,) = c._peers.values()
-    assert peer.conn.shm is None and peer.conn.chan is not None
+    assert peer.conn.offer == "pair"
     assert c.stats.total.transfers == 3 and c.stats.total.shm_transfers == 1
     assert not own_segments()
 
@@ -95,12 +96,13 @@ def test_a_same_host_consumer_reads_a_held_copy_out_of_the_arena(producers, cons
     (peer,) = c._peers.values()
     # Our "read" and the next pull go out at once, not after the producer's delayed ACK.
     assert peer.conn.sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY)
-    peer.conn.shm.segment.tensor(peer.conn.shm.segment.size).fill_(0)
+    peer.conn.end.staging.segment.tensor(peer.conn.end.staging.segment.size).fill_(0)
     assert pull(c, p, "t1", remote, local).ok
     for name, want in p.expected(remote).items():
         assert torch.equal(c.caches[name][local].view(torch.uint8), want.view(torch.uint8))
     # Not through our segment: the producer wrote nothing into it.
-    assert not peer.conn.shm.segment.tensor(peer.conn.shm.segment.size)[shm.NONCE_BYTES:].any()
+    ours = peer.conn.end.staging.segment
+    assert not ours.tensor(ours.size)[shm.NONCE_BYTES:].any()
     state = p.cmd(op="finished")
     assert state["status"]["held"] == 0 and state["status"]["sent"] == 2
     assert state["total"]["arena_transfers"] == c.stats.total.arena_transfers == 1
@@ -128,27 +130,25 @@ def test_an_arena_copy_nobody_pulls_is_freed(producers, consumers, end: str) -> 
 def test_a_consumer_that_never_confirms_its_read_fails_the_transfer(producers) -> None:
     """The producer keeps the span until the consumer says it has read it; a consumer that
     goes away instead ends the transfer FAILED, and the span is free again."""
+    from splitserve.kv import messages as m
     from splitserve.kv.spec import spec_from_caches
-    from splitserve.kv.wire import recv_msg, send_msg
+    from splitserve.kv.transport.shm import ConsumerStaging
 
     p = producers(copy_out=True)
     caches = caches_of(BASE)
-    staging = shm.ConsumerStaging()
+    staging = ConsumerStaging()
     sock = socket.create_connection(("127.0.0.1", p.port), timeout=5)
     try:
-        challenge = recv_msg(sock)
-        assert challenge["op"] == "challenge"
-        send_msg(sock, {"op": "hello", "engine_id": "raw-d", "pair_key": "raw/pair",
-                        "spec": spec_from_caches(BASE["model"], BASE["block_size"],
-                                                 caches).to_dict(),
-                        "challenge": "c" * 32, "shm": staging.offer()})
-        assert recv_msg(sock)["shm"] is True
+        m.recv(sock, m.Challenge)
+        spec = spec_from_caches(BASE["model"], BASE["block_size"], caches).to_dict()
+        m.send(sock, m.Hello("raw-d", "raw/link", None, spec, "c" * 32, "",
+                             {"shm": staging.offer()}))
+        assert m.recv(sock, m.Welcome).transport == "arena"
         free = p.cmd(op="connections")["arena_free"]
         p.cmd(op="hold", transfer_id="t1", block_ids=[1, 2])
-        send_msg(sock, {"op": "pull", "transfer_id": "t1", "block_ids": [1, 2], "tag": 1,
-                        "shm": staging.segment.name, "arena": True})
-        reply = recv_msg(sock)
-        assert reply["ok"] and reply["arena"]["positions"] is None
+        m.send(sock, m.Pull("t1", [1, 2], {"segment": staging.segment.name}))
+        reply = m.recv(sock, m.Pulled)
+        assert reply.move["held"]["positions"] is None
         assert p.cmd(op="connections")["arena_free"] < free  # kept while we may be reading
     finally:
         sock.close()
@@ -175,7 +175,7 @@ def test_holds_that_do_not_fit_the_arena_travel_the_old_way(producers, consumers
 
 def test_a_forged_segment_offer_is_not_taken(producers) -> None:
     """The producer takes the path only if it reads the offer's nonce in the named segment."""
-    from splitserve.kv.shm import ConsumerStaging, ProducerAttachment
+    from splitserve.kv.transport.shm import ConsumerStaging, ProducerAttachment
 
     staging = ConsumerStaging()
     try:
@@ -205,7 +205,7 @@ def test_segments_carry_the_tag_of_their_process_tree(producers, consumers, monk
         p, c = producers(copy_out=True), consumers("auto")
         arena_ready(p, c)
         (peer,) = c._peers.values()
-        mine = {peer.conn.shm.segment.name, p.cmd(op="connections")["arena"]}
+        mine = {peer.conn.end.staging.segment.name, p.cmd(op="connections")["arena"]}
         assert all(n.startswith(shm.PREFIX + tag) for n in mine)
         assert own_segments() == mine
         assert {untagged.name, other_run.name} <= set(shm.leftover_segments())

@@ -22,7 +22,6 @@ from splitserve.kv.spec import spec_from_caches
 from splitserve.kv.stats import TransferStats
 
 BASE = DEFAULTS
-BOTH = pytest.mark.parametrize("transport", ["pair", "auto"], ids=["pair", "shm"])
 
 
 def own_segments() -> set[str]:

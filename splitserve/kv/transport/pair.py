@@ -1,0 +1,110 @@
+"""The pair channel as a transport: a pull's bytes over the connection's own 2-rank process group
+(gloo between CPU caches, NCCL between CUDA ones; pair_channel.py). Any two hosts.
+
+The producer's `PairKind` hosts the rendezvous store for every pair; the welcome tells its port,
+and both ends join the group under the connection's link key once the welcome is out. Per pull:
+the consumer names a tag, the producer gathers into its staging buffer (or sends a copy-out hold
+as it lies), replies, then sends; the consumer receives into its own staging buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from splitserve.kv import blocks
+from splitserve.kv.pair_channel import (
+    CONSUMER_RANK,
+    PRODUCER_RANK,
+    PairChannel,
+    connect_store,
+    host_store,
+)
+from splitserve.kv.transfers import Transfer
+from splitserve.kv.transport import (
+    ConsumerEnd,
+    Incoming,
+    Kind,
+    Offer,
+    Place,
+    ProducerEnd,
+    Staged,
+    TransportError,
+)
+
+PATH = "pair"
+
+
+class PairOffer(Offer):
+    key, kinds = PATH, (PATH,)
+
+    def __init__(self, place: Place, producer_host: str) -> None:
+        self.place, self.producer_host, self.params = place, producer_host, {}
+
+    def taken(self, kind: str, params: dict, link_key: str) -> PairConsumerEnd:
+        port = params.get("store_port")
+        if not isinstance(port, int):
+            raise TransportError(f"the producer's welcome names no store port: {params}")
+        p = self.place
+        store = connect_store(self.producer_host, port, p.timeout_s)
+        return PairConsumerEnd(PairChannel(store, link_key, CONSUMER_RANK, p.device, p.timeout_s,
+                                           p.host), p)
+
+
+class PairConsumerEnd(ConsumerEnd):
+    def __init__(self, chan: PairChannel, place: Place) -> None:
+        self.chan, self.place = chan, place
+        self._tags = itertools.count(1)
+        self._tag = 0
+
+    def request(self, nbytes: int) -> dict:
+        self._tag = next(self._tags)
+        return {"tag": self._tag}
+
+    def receive(self, move: dict, nbytes: int) -> Incoming:
+        raw = self.chan.staging(nbytes)  # reused: the next pull waits for this one's scatter
+        self.chan.recv(raw, self._tag)
+        return Incoming(self.place.blocks_of(raw), PATH)
+
+    @property
+    def broken(self) -> bool:
+        return self.chan.closed
+
+    def close(self) -> None:
+        self.chan.close()
+
+
+class PairKind(Kind):
+    name = PATH
+
+    def __init__(self, place: Place) -> None:
+        self.place = place
+        self.store = host_store(place.host, 0, place.timeout_s)
+
+    def accept(self, offers: dict) -> PairProducerEnd | None:
+        return PairProducerEnd(self) if PATH in offers else None
+
+
+class PairProducerEnd(ProducerEnd):
+    def __init__(self, kind: PairKind) -> None:
+        self.kind, self.params = kind, {"store_port": kind.store.port}
+        self.chan: PairChannel | None = None
+
+    def open(self, link_key: str) -> None:
+        p = self.kind.place
+        self.chan = PairChannel(self.kind.store, link_key, PRODUCER_RANK, p.device, p.timeout_s,
+                                p.host)
+
+    def stage(self, t: Transfer, want: list[int], move: dict) -> Staged:
+        tag, chan = move.get("tag"), self.chan
+        if not isinstance(tag, int):
+            raise TransportError(f"a pull over the pair channel without a tag: {move}")
+        assert chan is not None
+        whole = t.snapshot is not None and want == t.block_ids
+        nbytes = blocks.staging_bytes(self.kind.place.kv, len(want))
+        raw = blocks.gather_held(self.kind.place.kv, None if whole else chan.staging(nbytes),
+                                 t.block_ids, want, t.snapshot)
+        return Staged({}, PATH, send=lambda: chan.send(raw, tag))
+
+    def close(self) -> None:
+        if self.chan is not None:
+            self.chan.close()
