@@ -145,6 +145,9 @@ class Kind(ABC):
 
     name: ClassVar[str]
 
+    def __init__(self, place: Place) -> None:
+        self.place = place
+
     @abstractmethod
     def accept(self, offers: dict) -> ProducerEnd | None:
         """An end for a consumer that offers `offers`, or None when this path cannot serve it."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 import itertools
 
 from splitserve.kv import blocks
+from splitserve.kv import transport as tp
 from splitserve.kv.pair_channel import (
     CONSUMER_RANK,
     PRODUCER_RANK,
@@ -20,38 +21,28 @@ from splitserve.kv.pair_channel import (
     host_store,
 )
 from splitserve.kv.transfers import Transfer
-from splitserve.kv.transport import (
-    ConsumerEnd,
-    Incoming,
-    Kind,
-    Offer,
-    Place,
-    ProducerEnd,
-    Staged,
-    TransportError,
-)
 
 PATH = "pair"
 
 
-class PairOffer(Offer):
+class PairOffer(tp.Offer):
     key, kinds = PATH, (PATH,)
 
-    def __init__(self, place: Place, producer_host: str) -> None:
+    def __init__(self, place: tp.Place, producer_host: str) -> None:
         self.place, self.producer_host, self.params = place, producer_host, {}
 
     def taken(self, kind: str, params: dict, link_key: str) -> PairConsumerEnd:
         port = params.get("store_port")
         if not isinstance(port, int):
-            raise TransportError(f"the producer's welcome names no store port: {params}")
+            raise tp.TransportError(f"the producer's welcome names no store port: {params}")
         p = self.place
         store = connect_store(self.producer_host, port, p.timeout_s)
         return PairConsumerEnd(PairChannel(store, link_key, CONSUMER_RANK, p.device, p.timeout_s,
                                            p.host), p)
 
 
-class PairConsumerEnd(ConsumerEnd):
-    def __init__(self, chan: PairChannel, place: Place) -> None:
+class PairConsumerEnd(tp.ConsumerEnd):
+    def __init__(self, chan: PairChannel, place: tp.Place) -> None:
         self.chan, self.place = chan, place
         self._tags = itertools.count(1)
         self._tag = 0
@@ -60,10 +51,10 @@ class PairConsumerEnd(ConsumerEnd):
         self._tag = next(self._tags)
         return {"tag": self._tag}
 
-    def receive(self, move: dict, nbytes: int) -> Incoming:
+    def receive(self, move: dict, nbytes: int) -> tp.Incoming:
         raw = self.chan.staging(nbytes)  # reused: the next pull waits for this one's scatter
         self.chan.recv(raw, self._tag)
-        return Incoming(self.place.blocks_of(raw), PATH)
+        return tp.Incoming(self.place.blocks_of(raw), PATH)
 
     @property
     def broken(self) -> bool:
@@ -73,18 +64,18 @@ class PairConsumerEnd(ConsumerEnd):
         self.chan.close()
 
 
-class PairKind(Kind):
+class PairKind(tp.Kind):
     name = PATH
 
-    def __init__(self, place: Place) -> None:
-        self.place = place
+    def __init__(self, place: tp.Place) -> None:
+        super().__init__(place)
         self.store = host_store(place.host, 0, place.timeout_s)
 
     def accept(self, offers: dict) -> PairProducerEnd | None:
         return PairProducerEnd(self) if PATH in offers else None
 
 
-class PairProducerEnd(ProducerEnd):
+class PairProducerEnd(tp.ProducerEnd):
     def __init__(self, kind: PairKind) -> None:
         self.kind, self.params = kind, {"store_port": kind.store.port}
         self.chan: PairChannel | None = None
@@ -94,16 +85,16 @@ class PairProducerEnd(ProducerEnd):
         self.chan = PairChannel(self.kind.store, link_key, PRODUCER_RANK, p.device, p.timeout_s,
                                 p.host)
 
-    def stage(self, t: Transfer, want: list[int], move: dict) -> Staged:
+    def stage(self, t: Transfer, want: list[int], move: dict) -> tp.Staged:
         tag, chan = move.get("tag"), self.chan
         if not isinstance(tag, int):
-            raise TransportError(f"a pull over the pair channel without a tag: {move}")
+            raise tp.TransportError(f"a pull over the pair channel without a tag: {move}")
         assert chan is not None
         whole = t.snapshot is not None and want == t.block_ids
         nbytes = blocks.staging_bytes(self.kind.place.kv, len(want))
         raw = blocks.gather_held(self.kind.place.kv, None if whole else chan.staging(nbytes),
                                  t.block_ids, want, t.snapshot)
-        return Staged({}, PATH, send=lambda: chan.send(raw, tag))
+        return tp.Staged({}, PATH, send=lambda: chan.send(raw, tag))
 
     def close(self) -> None:
         if self.chan is not None:

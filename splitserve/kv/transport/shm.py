@@ -132,9 +132,6 @@ class ShmConsumerEnd(ConsumerEnd):
 class ShmKind(Kind):
     name = PATH
 
-    def __init__(self, place: Place) -> None:
-        self.place = place
-
     def accept(self, offers: dict) -> ShmProducerEnd | None:
         attached = ProducerAttachment.accept(offers.get(PATH))
         return ShmProducerEnd(attached, self.place) if attached is not None else None
