@@ -11,7 +11,7 @@ per deployment: worker-seconds (the deployment's worker count integrated over th
 every second) and the autoscaler's scaling events.
 
     python bench/autoscale_step.py [--model bench] [--phases 0.5:60,2:120,0.5:90]
-        [--slo ttft=3000,tpot=100] [--fixed 1:1,2:2] [--json FILE] [--plot FILE.png]
+        [--slo ttft=3s,tpot=100ms] [--fixed 1:1,2:2] [--json FILE] [--plot FILE.png]
 """
 
 from __future__ import annotations
@@ -120,7 +120,8 @@ def main() -> None:
     ap.add_argument("--phases", default="0.5:60,2:120,0.5:90", help="RATE:SECONDS,...")
     ap.add_argument("--input-len", default="uniform:256-1024")
     ap.add_argument("--output-len", default="uniform:32-96")
-    ap.add_argument("--slo", default="ttft=3000,tpot=100", help="ms; the autoscaler's too (p90)")
+    ap.add_argument("--slo", default="ttft=3s,tpot=100ms",
+                    help="each with its unit, ms or s; the autoscaler's too (p90)")
     ap.add_argument("--max-workers", type=int, default=2, help="per pool, autoscaled")
     ap.add_argument("--interval-s", type=float, default=5.0)
     ap.add_argument("--window-s", type=float, default=30.0)
@@ -140,7 +141,7 @@ def main() -> None:
     specs = synthetic(len(times), a.input_len, a.output_len, vocab, a.seed,
                       exclude_ids=range(3))
     auto = AutoscaleConfig(max_prefill=a.max_workers, max_decode=a.max_workers,
-                           ttft_slo_s=slo.ttft_ms / 1e3, tpot_slo_s=slo.tpot_ms / 1e3,
+                           ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
                            interval_s=a.interval_s, window_s=a.window_s,
                            cooldown_s=a.cooldown_s)
     import ray

@@ -7,7 +7,7 @@ JSONs, combined plots (attainment vs rate, latency CDFs, server-side breakdown) 
 table to --out. Every `splitserve bench` flag after `--` is passed through, e.g.
 
     python bench/compare.py --model bench --out results/compare -- \\
-        --num-prompts 40 --rate 0.25,0.5,1 --long-fraction 0.2 --slo ttft=3000,tpot=100
+        --num-prompts 40 --rate 0.25,0.5,1 --long-fraction 0.2 --slo ttft=3s,tpot=100ms
 """
 
 from __future__ import annotations

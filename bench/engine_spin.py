@@ -28,6 +28,7 @@ from bench.aiperf import wait_ready
 from bench.host import machine
 from deploy.procs import child_group
 from splitserve.engine_spin import SPIN_ENV
+from splitserve.slo import SLO
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,11 +69,15 @@ def main() -> None:
     ap.add_argument("--num-prompts", type=int, default=120)
     ap.add_argument("--input-len", default="uniform:256-1024")
     ap.add_argument("--output-len", default="fixed:64")
-    ap.add_argument("--slo", default="ttft=500,tpot=50")
+    ap.add_argument("--slo", default="ttft=500ms,tpot=50ms")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--port", type=int, default=8310)
     ap.add_argument("--json", default=None)
     a = ap.parse_args()
+    try:
+        SLO.parse(a.slo)  # refused here, before any engine starts
+    except ValueError as e:
+        ap.error(f"--slo: {e}")
     work = Path(tempfile.mkdtemp(prefix="splitserve-spin-"))
     spins = a.spins.split(",")
     rows = []

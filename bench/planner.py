@@ -23,7 +23,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                      "MODEL (a directory or a preset name): bytes per token, blocks, context, "
                      "concurrent sequences (bench/kv_memory.py)")
     p.add_argument("--rate", type=float, help="offered load, req/s (with --profile*)")
-    p.add_argument("--slo", help="ttft=MS,tpot=MS[,e2el=MS] (with --profile*)")
+    p.add_argument("--slo", help="e.g. ttft=1s,tpot=100ms[,e2el=5s]: each with its unit, ms or s "
+                   "(with --profile*)")
     p.add_argument("--input-len", type=int, help="fixed prompt tokens (default: the runs')")
     p.add_argument("--output-len", type=int, help="fixed output tokens (default: the runs')")
     p.add_argument("--target", type=float, default=0.9, help="SLO attainment to reach")

@@ -2,7 +2,7 @@
 
     python bench/pool_options.py --model tiny --prefill 1 --decode 1 \\
         --variant "base::" --variant "fp8::--kv-cache-dtype fp8" \\
-        -- --num-prompts 40 --rate 2 --slo ttft=1000,tpot=25
+        -- --num-prompts 40 --rate 2 --slo ttft=1s,tpot=25ms
 
 Each `--variant NAME::WORKER_ARGS[::ROUTER_ARGS]` starts the same deployment (a router and the
 pools, each engine on its own core where cores allow, as bench/compare.py does) with those extra

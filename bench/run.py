@@ -50,7 +50,8 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     a.add_argument("--burstiness", type=float, default=1.0, help="gamma shape (1 = Poisson)")
     a.add_argument("--concurrency", type=int, default=None, help="closed loop: max in flight")
     o = p.add_argument_group("SLOs and output")
-    o.add_argument("--slo", default=None, help="e.g. ttft=500,tpot=50,e2el=5000 (ms)")
+    o.add_argument("--slo", default=None,
+                   help="targets, each with its unit (ms or s): e.g. ttft=500ms,tpot=50ms,e2el=5s")
     o.add_argument("--target", type=float, default=0.9, help="attainment that defines goodput")
     o.add_argument("--result-json", default=None)
     o.add_argument("--plot-dir", default=None)
@@ -130,9 +131,9 @@ async def bench(a: argparse.Namespace) -> dict:
     from splitserve.models import resolve_model
     from splitserve.slo import SLO
 
+    slo = SLO.parse(a.slo) if a.slo else None  # a bad spelling fails before any work
     tokenizer = RouterTokenizer(resolve_model(a.model))
     specs = build_workload(a, tokenizer)
-    slo = SLO.parse(a.slo) if a.slo else None
     target = (HttpTarget(a.http_url, a.model_name) if a.http_url
               else GrpcTarget(a.router, a.model_name))
     runs, per_rate = [], {}

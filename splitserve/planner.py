@@ -243,7 +243,7 @@ def simulate(profile: Profile, num_prefill: int, num_decode: int, rate: float,
     """Predict num_prefill P + num_decode D workers, or (P = D = 0) num_colocated K, at Poisson
     `rate` with (prompt, output) tokens drawn from `workload`; a seed gives every config the same
     requests. TPOT = (last token - decode join) / (output - 1): the mean step time seen, with the
-    wait for the step in flight. `slo`: ttft_ms / tpot_ms / e2el_ms, a splitserve.slo.SLO."""
+    wait for the step in flight. `slo`: ttft_s / tpot_s / e2el_s, a splitserve.slo.SLO."""
     colocated = num_colocated > 0
     if (num_prefill or num_decode) if colocated else min(num_prefill, num_decode) < 1:
         raise ValueError("give num_prefill, num_decode >= 1, or only num_colocated >= 1")
@@ -259,8 +259,8 @@ def simulate(profile: Profile, num_prefill: int, num_decode: int, rate: float,
     ttft, tpot = _run(profile, ws, colocated, reqs)
     e2e = [a + (o - 1) * b if o > 1 else a for a, b, (_, _, o) in zip(ttft, tpot, reqs)]
     limits = [(getattr(slo, k, None), xs)
-              for k, xs in (("ttft_ms", ttft), ("tpot_ms", tpot), ("e2el_ms", e2e))]
-    good = sum(all(lim is None or math.isnan(xs[i]) or xs[i] * 1e3 <= lim for lim, xs in limits)
+              for k, xs in (("ttft_s", ttft), ("tpot_s", tpot), ("e2el_s", e2e))]
+    good = sum(all(lim is None or math.isnan(xs[i]) or xs[i] <= lim for lim, xs in limits)
                for i in range(num_requests)) / num_requests
     return SimResult(num_prefill, num_decode, num_colocated, rate, good, rate * good,
                      Latency.of(ttft), Latency.of(tpot), Latency.of(e2e))

@@ -132,7 +132,7 @@ def plan_sizes(profile, cfg: AutoscaleConfig, s: Signals) -> tuple[int, int] | N
     from splitserve.planner import cheapest, simulate
     from splitserve.slo import SLO
 
-    slo = SLO(ttft_ms=cfg.ttft_slo_s * 1e3, tpot_ms=cfg.tpot_slo_s * 1e3)
+    slo = SLO(ttft_s=cfg.ttft_slo_s, tpot_s=cfg.tpot_slo_s)
     work = [(max(int(s.mean_prompt), 1), max(int(s.mean_output), 1))]
     rows = [simulate(profile, p, d, s.rate, work, slo, num_requests=500)
             for p in range(max(cfg.min_prefill, 1), cfg.max_prefill + 1)

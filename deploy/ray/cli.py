@@ -64,7 +64,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     a = u.add_argument_group("autoscaling (docs/deploy.md)")
     a.add_argument("--autoscale", action="store_true",
                    help="grow and shrink each pool from the router's metrics against the SLO")
-    a.add_argument("--slo", default="ttft=1000,tpot=100", help="ms, p90 (with --autoscale)")
+    a.add_argument("--slo", default="ttft=1s,tpot=100ms",
+                   help="p90 targets, each with its unit, ms or s (with --autoscale)")
     for pool in ("prefill", "decode"):
         a.add_argument(f"--min-{pool}", type=int, default=1)
         a.add_argument(f"--max-{pool}", type=int, default=4)
@@ -117,7 +118,7 @@ def _autoscale_of(a: argparse.Namespace):
     from splitserve.slo import SLO
 
     slo = SLO.parse(a.slo)
-    if slo.ttft_ms is None or slo.tpot_ms is None:
+    if slo.ttft_s is None or slo.tpot_s is None:
         raise ValueError("--autoscale needs --slo with both ttft and tpot")
     profile = None
     if a.plan_from:
@@ -126,7 +127,7 @@ def _autoscale_of(a: argparse.Namespace):
         profile = load_profile_from_results(a.plan_from).to_dict()
     return AutoscaleConfig(min_prefill=a.min_prefill, max_prefill=a.max_prefill,
                            min_decode=a.min_decode, max_decode=a.max_decode,
-                           ttft_slo_s=slo.ttft_ms / 1e3, tpot_slo_s=slo.tpot_ms / 1e3,
+                           ttft_slo_s=slo.ttft_s, tpot_slo_s=slo.tpot_s,
                            cooldown_s=a.cooldown_s, interval_s=a.autoscale_interval_s,
                            profile=profile)
 

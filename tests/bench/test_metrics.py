@@ -44,7 +44,7 @@ def test_request_properties() -> None:
 
 
 def test_summary_exact_values() -> None:
-    s = summarize(_runs(), duration=10.0, slo=SLO(ttft_ms=250, tpot_ms=100))
+    s = summarize(_runs(), duration=10.0, slo=SLO(ttft_s=0.25, tpot_s=0.1))
     assert (s["completed"], s["failed"]) == (3, 1)
     assert (s["total_input_tokens"], s["total_output_tokens"]) == (160, 7)
     assert s["duration"] == 10.0
@@ -87,22 +87,22 @@ def test_summary_without_slo_and_custom_percentiles() -> None:
 
 def test_one_token_output_meets_tpot_and_failed_never_meets() -> None:
     runs = _runs()
-    slo = SLO(tpot_ms=50)
+    slo = SLO(tpot_s=0.05)
     assert [slo.meets(r) for r in runs] == [False, True, False, False]
     assert SLO().meets(runs[0]) and not SLO().meets(runs[3])
-    assert not SLO(e2el_ms=350).meets(runs[2]) and SLO(e2el_ms=400.001).meets(runs[2])
+    assert not SLO(e2el_s=0.35).meets(runs[2]) and SLO(e2el_s=0.400001).meets(runs[2])
     no_chunk = RequestResult(True, 0.0, [], [], 1.0, 3, 0)
-    assert not SLO(ttft_ms=1e9).meets(no_chunk)
+    assert not SLO(ttft_s=1e6).meets(no_chunk)
 
 
 def test_empty_results_give_zeros_not_nan() -> None:
-    s = summarize([], duration=1.0, slo=SLO(ttft_ms=1))
+    s = summarize([], duration=1.0, slo=SLO(ttft_s=0.001))
     assert s["completed"] == 0 and s["failed"] == 0
     for m in ("ttft", "tpot", "itl", "e2el"):
         for k in ("mean", "median", "std", "p50", "p99"):
             assert s[f"{k}_{m}_ms"] == 0.0
     assert s["slo_attainment"] == 0.0 and s["request_goodput"] == 0.0
-    only_failed = summarize([_runs()[3]], duration=1.0, slo=SLO(ttft_ms=1))
+    only_failed = summarize([_runs()[3]], duration=1.0, slo=SLO(ttft_s=0.001))
     assert only_failed["mean_ttft_ms"] == 0.0 and only_failed["slo_attainment"] == 0.0
     assert "mean_queue_ms" not in only_failed
 
@@ -120,14 +120,43 @@ def test_server_key_does_not_clobber_client_metric() -> None:
     assert s["mean_server_ttft_ms"] == pytest.approx(500)
 
 
-def test_slo_parse() -> None:
-    assert SLO.parse("ttft=500,tpot=50,e2el=3000") == SLO(500, 50, 3000)
-    assert SLO.parse("tpot=12.5") == SLO(tpot_ms=12.5)
-    assert SLO.parse("ttft:500 tpot:50") == SLO(500, 50)  # vLLM's --goodput spelling
-    assert SLO.parse(str(SLO(500, None, 3000))) == SLO(500, None, 3000)
-    for bad in ("ttfb=5", "ttft", "ttft=abc", "ttft=1,ttft=2", "ttft=-1", "ttft=0", "e2e=5"):
+def test_slo_parse_takes_each_value_with_its_unit() -> None:
+    assert SLO.parse("ttft=500ms,tpot=50ms,e2el=3s") == SLO(0.5, 0.05, 3.0)
+    assert SLO.parse("ttft=0.5s") == SLO.parse("ttft=500ms") == SLO(ttft_s=0.5)
+    assert SLO.parse("tpot=12.5ms") == SLO(tpot_s=0.0125)
+    assert SLO.parse("TTFT=2S tpot=0.2MS") == SLO(ttft_s=2.0, tpot_s=0.0002)
+    assert SLO.parse("ttft:500ms tpot:50ms") == SLO(0.5, 0.05)  # vLLM's --goodput spelling
+    for bad in ("ttfb=5ms", "ttft", "ttft=abcms", "ttft=1s,ttft=2s", "ttft=-1ms", "ttft=0s",
+                "e2e=5s", "ttft=5m", "ttft=5min", "ttft=infs", "ttft=ms"):
         with pytest.raises(ValueError):
             SLO.parse(bad)
+
+
+@pytest.mark.parametrize(("text", "hint"), [("ttft=500", "write 500ms or 0.5s"),
+                                            ("tpot:50", "write 50ms or 0.05s"),
+                                            ("ttft=1s,e2el=3000", "write 3000ms or 3s")])
+def test_slo_parse_refuses_a_bare_number(text: str, hint: str) -> None:
+    """A bare number used to mean milliseconds: it fails loudly rather than mean seconds."""
+    with pytest.raises(ValueError, match="has no unit: " + hint):
+        SLO.parse(text)
+
+
+@pytest.mark.parametrize("slo", [SLO(0.5, 0.05), SLO(ttft_s=1.0, tpot_s=0.1),
+                                 SLO(0.5, None, 3.0), SLO(tpot_s=0.0125), SLO(ttft_s=1 / 3),
+                                 SLO(e2el_s=1234.5), SLO(tpot_s=1e-7), SLO()])
+def test_slo_str_is_what_parse_reads_back(slo: SLO) -> None:
+    assert SLO.parse(str(slo)) == slo
+
+
+def test_slo_str_writes_ms_below_a_second() -> None:
+    assert str(SLO(0.5, 0.05)) == "ttft=500ms,tpot=50ms"
+    assert str(SLO(ttft_s=1.0, tpot_s=0.1, e2el_s=5.0)) == "ttft=1s,tpot=100ms,e2el=5s"
+
+
+@given(st.floats(1e-9, 1e9))
+def test_slo_str_round_trips_any_target(seconds: float) -> None:
+    slo = SLO(seconds, seconds, seconds)
+    assert SLO.parse(str(slo)) == slo
 
 
 def test_max_goodput_rate() -> None:
@@ -159,8 +188,8 @@ def test_timing_identities(start: float, gaps: list[float], tail: float, extra: 
     if n_tokens > 1:
         assert r.tpot * (n_tokens - 1) == pytest.approx(r.e2e - r.ttft)
     # Loosening a target never turns a met SLO into a miss.
-    slo = SLO(ttft_ms=r.ttft * 1e3 + 1, e2el_ms=r.e2e * 1e3 + 1)
-    assert slo.meets(r) and SLO(ttft_ms=r.ttft * 2e3 + 1).meets(r)
+    slo = SLO(ttft_s=r.ttft + 1e-3, e2el_s=r.e2e + 1e-3)
+    assert slo.meets(r) and SLO(ttft_s=r.ttft * 2 + 1e-3).meets(r)
 
 
 def _stream(first: float, last: float, ok: bool = True) -> RequestResult:

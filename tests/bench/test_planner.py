@@ -100,7 +100,7 @@ def test_prefill_overload_queues_without_bound_and_a_second_worker_fixes_it() ->
     # at 15/s against 10/s capacity the wait grows by 1/30 s per request: the n-th waits n/30 s
     assert one.ttft_ms.p90 > 15_000 and longer.ttft_ms.p90 > 1.6 * one.ttft_ms.p90
     assert two.ttft_ms.p90 < 1_000 and two.ttft_ms.p90 < one.ttft_ms.p90 / 20
-    slo = SLO(ttft_ms=1000)
+    slo = SLO(ttft_s=1.0)
     assert simulate(SLOW_PREFILL, 1, 2, 15, wl, slo, num_requests=600).attainment < 0.3
     assert simulate(SLOW_PREFILL, 2, 2, 15, wl, slo, num_requests=600).attainment > 0.95
 
@@ -121,7 +121,7 @@ def test_colocated_prefills_inflate_tpot_disaggregation_does_not() -> None:
 
 
 def test_recommend_returns_the_cheapest_config_meeting_the_target() -> None:
-    slo = SLO(ttft_ms=1000, tpot_ms=15)
+    slo = SLO(ttft_s=1.0, tpot_s=0.015)
     wl = [(100, 40), (120, 60)]
     rows = recommend(SLOW_PREFILL, 15, wl, slo, target=0.9, max_workers=4, num_requests=300)
     assert len(rows) == 6 + 4  # 1P1D 1P2D 2P1D 1P3D 2P2D 3P1D and 1..4 colocated
@@ -136,9 +136,9 @@ def test_recommend_returns_the_cheapest_config_meeting_the_target() -> None:
 
 def test_same_seed_same_prediction() -> None:
     wl = [(50, 20), (500, 5), (1500, 100)]
-    a = simulate(SLOW_PREFILL, 1, 1, 5, wl, SLO(ttft_ms=500), seed=3, num_requests=200)
-    b = simulate(SLOW_PREFILL, 1, 1, 5, wl, SLO(ttft_ms=500), seed=3, num_requests=200)
-    c = simulate(SLOW_PREFILL, 1, 1, 5, wl, SLO(ttft_ms=500), seed=4, num_requests=200)
+    a = simulate(SLOW_PREFILL, 1, 1, 5, wl, SLO(ttft_s=0.5), seed=3, num_requests=200)
+    b = simulate(SLOW_PREFILL, 1, 1, 5, wl, SLO(ttft_s=0.5), seed=3, num_requests=200)
+    c = simulate(SLOW_PREFILL, 1, 1, 5, wl, SLO(ttft_s=0.5), seed=4, num_requests=200)
     assert a == b and a != c
 
 
@@ -150,16 +150,28 @@ def test_cli_fits_saves_and_recommends(tmp_path: Path, capsys: pytest.CaptureFix
     p = argparse.ArgumentParser()
     add_arguments(p)
     saved = tmp_path / "profile.json"
-    a = p.parse_args(["--profile", str(res), "--rate", "2", "--slo", "ttft=2000,tpot=100",
+    a = p.parse_args(["--profile", str(res), "--rate", "2", "--slo", "ttft=2s,tpot=100ms",
                       "--max-workers", "3", "--num-requests", "100", "--save-profile", str(saved)])
     assert main(a) == 0
     out = capsys.readouterr().out
     # a light load: one colocated worker is cheapest, and its prefill stalls still fit the SLO
     assert "assumptions:" in out and "1P2D" in out and "recommendation: 1x colocated" in out
-    a = p.parse_args(["--profile-json", str(saved), "--rate", "2", "--slo", "ttft=2000",
+    a = p.parse_args(["--profile-json", str(saved), "--rate", "2", "--slo", "ttft=2s",
                       "--input-len", "100", "--output-len", "8", "--max-workers", "2",
                       "--num-requests", "50"])
     assert main(a) == 0
     assert Profile.from_dict(json.loads(saved.read_text())) == fit_profile(load_rows([res]))
-    a = p.parse_args(["--profile-json", str(saved), "--rate", "2", "--slo", "ttft=2000"])
+    a = p.parse_args(["--profile-json", str(saved), "--rate", "2", "--slo", "ttft=2s"])
     assert main(a) == 2  # a saved profile carries no workload
+
+
+def test_cli_refuses_an_slo_without_units(tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """`--slo ttft=2000` once meant 2 s; now it names its unit or is refused, not read as 2000 s."""
+    saved = tmp_path / "profile.json"
+    saved.write_text(json.dumps(SLOW_PREFILL.to_dict()))
+    p = argparse.ArgumentParser()
+    add_arguments(p)
+    a = p.parse_args(["--profile-json", str(saved), "--rate", "2", "--slo", "ttft=2000",
+                      "--input-len", "100", "--output-len", "8"])
+    assert main(a) == 2
+    assert "SLO value '2000' has no unit: write 2000ms or 2s" in capsys.readouterr().err

@@ -32,13 +32,13 @@ def test_short_sweep_writes_json_and_plots(cl: ProcCluster, tiny_model_dir: Path
     target = (["--http-url", a.endpoints["http"]] if protocol == "http" else [])
     args = _args("--router", a.address, *target, "--model", str(tiny_model_dir),
                  "--num-prompts", "12", "--input-len", "uniform:8-300", "--output-len",
-                 "fixed:8", "--rate", "50,inf", "--slo", "ttft=5000,tpot=1000",
+                 "fixed:8", "--rate", "50,inf", "--slo", "ttft=5s,tpot=1s",
                  "--result-json", str(tmp_path / "r.json"), "--plot-dir", str(tmp_path),
                  "--no-progress", "--label", protocol)
     out = asyncio.run(bench(args))
     saved = json.loads((tmp_path / "r.json").read_text())
     assert saved["runs"] and len(saved["runs"]) == 2
-    slo = SLO(ttft_ms=5000, tpot_ms=1000)
+    slo = SLO(ttft_s=5.0, tpot_s=1.0)
     assert [run["rate"] for run in saved["runs"]] == [50.0, float("inf")]
     for run in saved["runs"]:
         assert run["completed"] == 12 and run["failed"] == 0

@@ -397,3 +397,22 @@ def test_a_restarted_router_starts_the_window_over(replay) -> None:
         a.tick()
     assert [p for _, p, _ in ctl.scaled] and all(p >= 2 for _, p, _ in ctl.scaled), ctl.reasons
     assert ctl.scaled[0][0] == 40.0  # the first window after the restart: 30 s to 40 s
+
+
+def test_ray_up_slo_is_read_in_seconds_with_its_units() -> None:
+    """`ray up --autoscale --slo`: each target names its unit and reaches the config as seconds;
+    a bare number (once milliseconds) is refused with the unit to write."""
+    from deploy.cli import build_parser
+    from deploy.ray.cli import _autoscale_of
+
+    def cfg(*argv: str) -> AutoscaleConfig:
+        return _autoscale_of(build_parser().parse_args(["ray", "up", "--autoscale", *argv]))
+
+    got = cfg("--slo", "ttft=500ms,tpot=0.05s")
+    assert (got.ttft_slo_s, got.tpot_slo_s) == (0.5, 0.05)
+    default = cfg()
+    assert (default.ttft_slo_s, default.tpot_slo_s) == (1.0, 0.1)
+    with pytest.raises(ValueError, match="has no unit: write 1000ms or 1s"):
+        cfg("--slo", "ttft=1000,tpot=100ms")
+    with pytest.raises(ValueError, match="both ttft and tpot"):
+        cfg("--slo", "ttft=1s")

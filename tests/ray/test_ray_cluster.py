@@ -335,7 +335,7 @@ def test_cli_up_with_autoscale_status_and_down(ray_cluster, reference,
     up = _cli("up", "--detach", "--name", "cli", "--model", str(tiny_model_dir), "--host",
               "127.0.0.1", "--grpc-port", "0", "--cluster-port", "0", "--http-port", "0",
               "--prefill", "0", "--decode", "1", "--dtype", "float32", "--kv-cache-mib", "64",
-              "--autoscale", "--slo", "ttft=60000,tpot=60000", "--min-prefill", "0",
+              "--autoscale", "--slo", "ttft=60s,tpot=60s", "--min-prefill", "0",
               "--max-prefill", "0", "--max-decode", "1", "--autoscale-interval-s", "0.2",
               timeout_s=START_S + 120)
     assert up.returncode == 0, up.stderr[-3000:]
