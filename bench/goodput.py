@@ -67,7 +67,7 @@ def start(name: str, a: argparse.Namespace, model: str, procs: ProcessSet,
         wait_http(url)
         return url, p
     roles, flags = DEPLOYMENTS[name]
-    router_flags = [f.format(tpot_slo_s=a.slo_tpot_ms / 1000) for f in flags]
+    router_flags = [f.format(tpot_slo_s=a.slo_tpot_s) for f in flags]
     router = procs.spawn("router", ["router", "--model", model, "--grpc-port", "0",
                                     "--http-port", str(a.splitserve_port),
                                     "--max-model-len", str(a.max_model_len),
@@ -163,9 +163,9 @@ def main() -> None:
     ap.add_argument("--rates", default="2,3,4,6")
     workload_arguments(ap)
     ap.add_argument("--target", type=float, default=0.9)
-    ap.add_argument("--also-slo", default=None, metavar="ttft=MS,tpot=MS",
+    ap.add_argument("--also-slo", default=None, metavar="ttft=500ms,tpot=50ms",
                     help="score the `splitserve bench` drives against this SLO too, from their "
-                         "per-request times (e.g. the seed's ttft=3000,tpot=100)")
+                         "per-request times (e.g. the seed's ttft=3s,tpot=100ms)")
     ap.add_argument("--cores", type=int, default=2, help="cores the engines spread over")
     ap.add_argument("--seed", type=int, default=2000)
     ap.add_argument("--json", default=None)

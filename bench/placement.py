@@ -45,7 +45,7 @@ def main() -> None:
     cfg = argparse.Namespace(engine_cores="0", dtype="float32", max_model_len=4096,
                              kv_cache_mib=256, splitserve_port=8200, input_len=1536,
                              output_len=128, range_ratio=0.333, num_prompts=a.num_prompts,
-                             slo_ttft_ms=1000, slo_tpot_ms=25, stream_interval=1)
+                             slo_ttft_s=1.0, slo_tpot_s=0.025, stream_interval=1)
     model = resolve_model(a.model)
     tmp = Path(tempfile.mkdtemp(prefix="splitserve-placement-"))
     procs = ProcessSet(log_dir=tmp)

@@ -3,11 +3,11 @@
 A real engine on this kind of host makes a few hundred tokens a second, far too few to find what
 the router itself can relay. This process serves the DecodeWorker service (and Stats, so a router
 can list it as a static colocated worker) and answers every request with `max_tokens` token ids,
-`--tokens-per-message` at a time, every `--step-ms` milliseconds (0: as fast as the event loop
+`--tokens-per-message` at a time, every `--step-s` seconds (0: as fast as the event loop
 turns) — the shape of an engine's output, without the engine. Sessions batch what the requests
 produce in one turn, as a real worker batches one engine step.
 
-    python -m bench.token_source --port 0 --ready-file FILE [--step-ms 0]
+    python -m bench.token_source --port 0 --ready-file FILE [--step-s 0]
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ class TokenSource(worker_pb2_grpc.DecodeWorkerServicer):
 async def serve(a: argparse.Namespace) -> None:
     server = grpc.aio.server()
     worker_pb2_grpc.add_DecodeWorkerServicer_to_server(
-        TokenSource(a.step_ms / 1e3, a.tokens_per_message, a.model_name), server)
+        TokenSource(a.step_s, a.tokens_per_message, a.model_name), server)
     port = server.add_insecure_port(f"127.0.0.1:{a.port}")
     await server.start()
     Path(a.ready_file).write_text(json.dumps({"grpc": f"127.0.0.1:{port}"}))
@@ -73,7 +73,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--ready-file", required=True)
-    ap.add_argument("--step-ms", type=float, default=0.0)
+    ap.add_argument("--step-s", type=float, default=0.0, help="seconds between messages")
     ap.add_argument("--tokens-per-message", type=int, default=1)
     ap.add_argument("--model-name", default="tiny", help="the model name the router serves")
     asyncio.run(serve(ap.parse_args()))

@@ -41,6 +41,7 @@ from deploy.placement import free_cores, pin_serving
 from deploy.procs import ProcessSet, child_group
 from splitserve.models import resolve_model
 from splitserve.roles import Role
+from splitserve.slo import SLO
 
 ROOT = Path(__file__).resolve().parents[1]
 METRICS = ("attainment", "goodput", "median_ttft_ms", "p99_ttft_ms", "median_tpot_ms",
@@ -104,7 +105,7 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
     anywhere)."""
     lo, hi = a.input_len * (1 - a.range_ratio), a.input_len * (1 + a.range_ratio)
     olo, ohi = a.output_len * (1 - a.range_ratio), a.output_len * (1 + a.range_ratio)
-    ttft, tpot = a.slo_ttft_ms, a.slo_tpot_ms
+    slo = SLO(ttft_s=a.slo_ttft_s, tpot_s=a.slo_tpot_s)
     if driver == "vllm":
         cmd = [sys.executable, "-m", "bench.vllm_driver", "--result-json", str(out), "--",
                "--backend", "vllm", "--base-url", url, "--endpoint", "/v1/completions",
@@ -112,13 +113,15 @@ def drive(driver: str, url: str, model: str, rate: float, seed: int, a: argparse
                str(a.input_len), "--random-output-len", str(a.output_len),
                "--random-range-ratio", str(a.range_ratio), "--num-prompts", str(a.num_prompts),
                "--request-rate", str(rate), "--ignore-eos", "--seed", str(seed),
-               "--goodput", f"ttft:{ttft}", f"tpot:{tpot}", "--disable-tqdm"]
+               # vLLM's --goodput takes bare milliseconds
+               "--goodput", f"ttft:{slo.ttft_s * 1e3:g}", f"tpot:{slo.tpot_s * 1e3:g}",
+               "--disable-tqdm"]
     else:
         cmd = [sys.executable, "-m", "deploy.cli", "bench", "--http-url", url, "--model", model,
                "--model-name", model, "--num-prompts", str(a.num_prompts),
                "--input-len", f"uniform:{lo:.0f}-{hi:.0f}",
                "--output-len", f"uniform:{olo:.0f}-{ohi:.0f}", "--rate", str(rate),
-               "--seed", str(seed), "--slo", f"ttft={ttft},tpot={tpot}", "--no-progress",
+               "--seed", str(seed), "--slo", str(slo), "--no-progress",
                "--result-json", str(out)]
         if a.long_fraction:
             cmd += ["--long-fraction", str(a.long_fraction), "--long-input-len",
@@ -155,8 +158,11 @@ def workload_arguments(ap: argparse.ArgumentParser) -> None:
                          "`splitserve bench` only, vLLM's random dataset draws one length range)")
     ap.add_argument("--long-input-len", default="uniform:1024-2048")
     ap.add_argument("--long-output-len", default="fixed:16")
-    ap.add_argument("--slo-ttft-ms", type=float, default=1000)
-    ap.add_argument("--slo-tpot-ms", type=float, default=25)
+    ap.add_argument("--slo-ttft-s", type=float, default=1.0, help="seconds")
+    ap.add_argument("--slo-tpot-s", type=float, default=0.025, help="seconds")
+    # Retired milliseconds spellings (still in benchmarks-log.md's commands): refused by name.
+    ap.add_argument("--slo-ttft-ms", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--slo-tpot-ms", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--drivers", default="vllm,splitserve")
     ap.add_argument("--kv-cache-mib", type=int, default=256)
     ap.add_argument("--max-model-len", type=int, default=4096)
@@ -169,6 +175,15 @@ def workload_arguments(ap: argparse.ArgumentParser) -> None:
 
 def check_workload(ap: argparse.ArgumentParser, a: argparse.Namespace) -> None:
     """Refuse, before anything starts, what `drive` cannot run."""
+    for metric in ("ttft", "tpot"):
+        ms = getattr(a, f"slo_{metric}_ms")
+        if ms is not None:
+            ap.error(f"--slo-{metric}-ms is gone: durations are seconds, give "
+                     f"--slo-{metric}-s {ms / 1e3:g}")
+    try:
+        SLO(a.slo_ttft_s, a.slo_tpot_s)
+    except ValueError as e:
+        ap.error(str(e))
     if a.long_fraction and "vllm" in a.drivers.split(","):
         ap.error("--long-fraction: `vllm bench serve` cannot draw a mixture; add "
                  "--drivers splitserve")
