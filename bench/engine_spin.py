@@ -1,5 +1,5 @@
-"""What the engines' short spin costs under load: `splitserve up` (1P1D) with
-SPLITSERVE_ENGINE_SPIN_S at each value, in turn, under the same Poisson load.
+"""What the engines' short spin costs under load: `splitserve up` (1P1D) with `--spin-s` at
+each value, in turn, under the same Poisson load.
 
 splitserve/engine_spin.py shortens vLLM's one-second spin of its queue readers to 2 ms so that
 other programs on a small host keep their share of the cores. A reader that sleeps must then be
@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import subprocess
 import sys
 import tempfile
@@ -27,7 +26,6 @@ from pathlib import Path
 from bench.aiperf import wait_ready
 from bench.host import machine
 from deploy.procs import child_group
-from splitserve.engine_spin import SPIN_ENV
 from splitserve.slo import SLO
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -37,8 +35,8 @@ def run_once(spin: str, a: argparse.Namespace, work: Path, k: int) -> dict:
     log = work / f"up-{k}.log"
     up = subprocess.Popen(
         [sys.executable, "-m", "deploy.cli", "up", "--model", a.model, "--http-port",
-         str(a.port), "--grpc-port", "0", "--log-dir", str(work / f"logs-{k}")],
-        cwd=ROOT, env={**os.environ, SPIN_ENV: spin}, stdin=subprocess.DEVNULL,
+         str(a.port), "--grpc-port", "0", "--log-dir", str(work / f"logs-{k}"),
+         "--spin-s", spin], cwd=ROOT, stdin=subprocess.DEVNULL,
         stdout=open(log, "w"), stderr=subprocess.STDOUT, **child_group())
     url = f"http://127.0.0.1:{a.port}"
     try:

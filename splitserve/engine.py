@@ -17,7 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from splitserve.engine_core import lower_engine_core
+from splitserve.engine_core import ENGINE_CORE_NICE, lower_engine_core
+from splitserve.engine_spin import SPIN_ENV, SPIN_S
 from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
 from splitserve.lifeline import ENGINE_PARENT_ENV
 from splitserve.models import stored_dtype
@@ -74,6 +75,15 @@ class EngineConfig:
     cpu_cores: str = setting(
         "auto", "CPU only: cores for this engine's compute threads, e.g. 0 or 2-3 (auto: "
         "vLLM's choice)")
+    # CPU: the EngineCore's spin must not starve the servers (splitserve/engine_core.py).
+    engine_core_nice: int = setting(
+        ENGINE_CORE_NICE, "CPU only: the niceness of the engine's scheduler process, which "
+        "spins while its model runner computes (0: as vLLM starts it)")
+    # CPU: vLLM's readers spin a second after each message; beside other work that starves
+    # every program on a small host (splitserve/engine_spin.py).
+    spin_s: float = setting(
+        SPIN_S, "CPU only: how long the engine's processes spin waiting for each other before "
+        "they sleep until notified (vLLM's own: 1)")
     # KV transfer: None = plain engine (colocated); else one of KV_ROLES with our connector.
     kv_role: str | None = setting(None, internal=True)
     kv_settings: ConnectorSettings = setting(factory=ConnectorSettings, internal=True)
@@ -96,6 +106,8 @@ class EngineConfig:
                              f"got {self.kv_failure_policy!r}")
         if self.speculative_tokens < 0:
             raise ValueError(f"speculative_tokens must be >= 0, got {self.speculative_tokens}")
+        if not self.spin_s >= 0:
+            raise ValueError(f"spin_s must be >= 0, got {self.spin_s}")
         if self.kv_cache_mib <= 0:
             raise ValueError(f"kv_cache_mib must be positive, got {self.kv_cache_mib}")
 
@@ -213,6 +225,7 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     os.environ["VLLM_CPU_OMP_THREADS_BIND"] = cfg.cpu_cores
     # The engine stops if we die, even by SIGKILL (splitserve/lifeline.py, as a vLLM plugin).
     os.environ[ENGINE_PARENT_ENV] = str(os.getpid())
+    os.environ[SPIN_ENV] = str(cfg.spin_s)  # for the spin plugin in the engine's processes
     for line in claim_environment(cfg):
         log.warning("%s", line)
     if cfg.kv_settings.secret:  # not in vLLM's config, which it logs: its processes inherit this
@@ -222,7 +235,7 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     loggers = [monitor.factory] if monitor is not None else None
     engine = AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
     if engine.vllm_config.device_config.device_type == "cpu":
-        lower_engine_core()  # its spin must not starve the servers (splitserve/engine_core.py)
+        lower_engine_core(cfg.engine_core_nice)  # (splitserve/engine_core.py)
     return engine
 
 

@@ -12,7 +12,7 @@ So once an engine is up its worker renices the EngineCore to `ENGINE_CORE_NICE` 
 Linux niceness is per thread). It still spins when a core is idle and still does its real work
 (scheduling a step takes a millisecond or two); it just yields at once to any process at normal
 priority, so the servers' event loops get the core when they need it (figures: docs/benchmarks.md,
-"The engine's scheduler process"). `SPLITSERVE_ENGINE_CORE_NICE=0`
+"The engine's scheduler process"). `--engine-core-nice 0` (EngineConfig.engine_core_nice)
 leaves it as vLLM starts it. GPU engines run their model in the EngineCore itself and are left
 alone. How long those waits spin at all is splitserve/engine_spin.py's business: 2 ms, not a
 second, in our workers' engines.
@@ -55,9 +55,8 @@ def place_threads(pids: list[int], cores: set[int] | None, nice: int | None = No
                 pass
 
 
-def lower_engine_core() -> list[int]:
+def lower_engine_core(nice: int = ENGINE_CORE_NICE) -> list[int]:
     """Renice this process's EngineCore children (see the module docstring); their pids."""
-    nice = int(os.environ.get("SPLITSERVE_ENGINE_CORE_NICE", ENGINE_CORE_NICE))
     pids = engine_cores([os.getpid()]) if nice else []
     place_threads(pids, None, nice)
     if pids:

@@ -17,7 +17,8 @@ other within a millisecond or two under load, so the short spin still catches th
 reader also looks again every `POLL_S`: the notification can be lost (the writer's socket drops
 one while its previous one is unsent, `SNDHWM` 1), and vLLM's own recheck is 5 s — a colocated
 stream beside a CPU hog once waited out exactly those 5 s with nothing else wrong.
-`SPLITSERVE_ENGINE_SPIN_S` sets it (vLLM's own 1 s: `SPLITSERVE_ENGINE_SPIN_S=1`). Loaded in
+`--spin-s` sets it (EngineConfig.spin_s, handed to the engine's processes in
+$SPLITSERVE_ENGINE_SPIN_S; vLLM's own 1 s: `--spin-s 1`). Loaded in
 every vLLM process as a `vllm.general_plugins` entry point (pyproject.toml), it acts only in the
 engines of splitserve's workers on CPU: plain vLLM started from the same environment, and GPU
 engines, keep vLLM's behaviour.

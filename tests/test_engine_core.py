@@ -54,9 +54,8 @@ def test_only_the_engine_core_child_is_found(engine_children) -> None:
     assert engine_cores([runner.pid]) == []  # children of the given processes only
 
 
-def test_the_engine_core_is_reniced_and_nothing_else(engine_children, monkeypatch) -> None:
+def test_the_engine_core_is_reniced_and_nothing_else(engine_children) -> None:
     core, runner = engine_children
-    monkeypatch.delenv("SPLITSERVE_ENGINE_CORE_NICE", raising=False)
     mine = nice(os.getpid())
     lowered = lower_engine_core()
     assert core.pid in lowered and runner.pid not in lowered
@@ -66,8 +65,7 @@ def test_the_engine_core_is_reniced_and_nothing_else(engine_children, monkeypatc
     assert (nice(runner.pid), nice(os.getpid())) == (mine, mine)
 
 
-def test_the_knob_turns_it_off(engine_children, monkeypatch) -> None:
+def test_the_setting_turns_it_off(engine_children) -> None:
     core, _ = engine_children
-    monkeypatch.setenv("SPLITSERVE_ENGINE_CORE_NICE", "0")
-    assert lower_engine_core() == []
+    assert lower_engine_core(nice=0) == []
     assert nice(core.pid) == nice(os.getpid())

@@ -5,7 +5,7 @@ The bounds are relative, from the same run: the median first token at most 1.5x 
 client's alone (prompts of the same length, never cached); the longest gap between two events
 of any stream at most 20x the median gap (after the hand-off's; 4x failed a clean-clone CI run
 at 53 ms against a 9.6 ms median, while the stall it catches is 1-2 s, over 100x). With
-vLLM's own one-second spin of its engines' queue readers (`SPLITSERVE_ENGINE_SPIN_S=1`,
+vLLM's own one-second spin of its engines' queue readers (`--spin-s 1`,
 splitserve/engine_spin.py) both cores stay busy with yields that only the cluster's own session
 gets, and such a client read each stream's tokens all at once, 1-2 s late: both bounds fail.
 """
