@@ -27,11 +27,11 @@ Columns:
                      transfer per repeat, with transport "pair" (what two hosts use). On top of
                      pair_channel: two copies (gather, scatter), a side-channel round trip.
   connector_shm_gbps the same pulls with transport "auto", which on one host takes the shared-
-                     memory path (splitserve/kv/shm.py: gather into the consumer's segment ->
-                     side-channel reply -> scatter out of it; no pair channel).
+                     memory path (splitserve/kv/transport/shm.py: gather into the consumer's
+                     segment -> side-channel reply -> scatter out of it; no pair channel).
   connector_arena_gbps  the same pulls from a producer that copies held blocks out at the hold
                      (the CPU default) into its shared hold arena: the consumer scatters straight
-                     out of it (side-channel reply -> scatter -> "read"); the hold's copy is made
+                     out of it (side-channel reply -> scatter -> Landed); the hold's copy is made
                      before the clock starts, as it is made before the decode side asks.
   pair_vs_tcp        pair_channel_gbps / tcp_loopback_gbps (1.0: gloo costs nothing over TCP).
   shm_vs_pair        connector_shm_gbps / connector_gbps: what one host gains over the wire path.
@@ -231,11 +231,14 @@ def connector(sizes: list[int], repeats: int, transport: str,
               arena: bool = False) -> Iterator[Measure]:
     """Pulls over `transport`; `arena`: from a copy-out producer's shared hold arena."""
     max_blocks = max(1, round(max(sizes) / BLOCK_BYTES))
-    # The arena holds one copy of the largest size (each pull frees its span before the next).
+    # The arena holds two copies of the largest size: a pull's span is freed when the producer
+    # reads the consumer's Landed, which can come after the next repeat's hold (that hold would
+    # then miss the arena and take the shm path).
     prod = ProducerProc(num_layers=LAYERS, num_blocks=max_blocks, shape=list(BLOCK_SHAPE),
                         dtype="bfloat16", model="bench", block_size=BLOCK_SHAPE[1],
                         engine_id=PRODUCER_ID, lease_s=120.0, timeout_s=TIMEOUT_S,
-                        copy_out=arena, hold_arena_mib=-(-max(sizes) // MIB) + 1 if arena else 0)
+                        copy_out=arena,
+                        hold_arena_mib=-(-2 * max(sizes) // MIB) + 1 if arena else 0)
     cons = _SignalingConsumer(transport)
     try:
         caches = _caches(max_blocks)
