@@ -36,6 +36,7 @@ from deploy.launch_flags import (
     add_component_flags,
     child_argv,
 )
+from deploy.local import UpConfig
 from router.config import RouterConfig
 from router.validation import RequestLimits
 from splitserve import lifeline
@@ -91,7 +92,7 @@ def _router(a: argparse.Namespace) -> int:
                        limits=RequestLimits(**values(RequestLimits, a)))
     faults = for_host(cfg.host)
     try:
-        run_loop(serve(cfg, a.ready_file))
+        run_loop(serve(cfg, a.ready_file), cfg.uvloop)
     finally:
         if faults.modules_file:  # tests: what the router process loaded, checked at exit
             Path(faults.modules_file).write_text(json.dumps(sorted(sys.modules)))
@@ -104,7 +105,7 @@ DEMO_MAX_TOKENS = 128
 def _up(a: argparse.Namespace) -> int:
     import tempfile
 
-    from deploy.local import UpConfig, say, up
+    from deploy.local import say, up
     from deploy.local_security import local_security
     from splitserve.models import DEFAULT_MODEL, resolve_model
 
@@ -137,8 +138,7 @@ def _up(a: argparse.Namespace) -> int:
     # everything (and whatever level the user chose, if they chose one).
     level = a.log_level or "INFO"
     log_dir = None if a.verbose else Path(a.log_dir or tempfile.mkdtemp(prefix="splitserve-up-"))
-    cfg = UpConfig(model=model, n_prefill=a.prefill, n_decode=a.decode,
-                   n_colocated=a.colocated, grpc_port=a.port,
+    cfg = UpConfig(**values(UpConfig, a), model=model, grpc_port=a.port,
                    engine_args=tuple(child_argv(a, WORKER_SIDE, UP_DECIDES)),
                    router_args=tuple(router_args),
                    log_dir=log_dir, log_level=level, extra_env={"VLLM_LOGGING_LEVEL": level},
@@ -206,9 +206,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     u = sub.add_parser("up", help="router + workers on this host")
     add_config_flag(u)
-    u.add_argument("--prefill", type=int, default=1, help="prefill workers")
-    u.add_argument("--decode", type=int, default=1, help="decode workers")
-    u.add_argument("--colocated", type=int, default=0, help="colocated (prefill+decode) workers")
+    add_flags(u, UpConfig)
     add_flags(u, EngineConfig, only={"model"})
     add_flags(u, RouterConfig, only={"port"})
     u.add_argument("--demo", metavar="PROMPT", default=None,

@@ -19,7 +19,7 @@ import signal
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
@@ -29,28 +29,34 @@ from deploy.placement import pin_serving
 from deploy.procs import Proc, ProcessSet
 from splitserve.credentials import bearer
 from splitserve.roles import Role
+from splitserve.settings import setting
 from splitserve.tls import TLSConfig, sync_channel
 from splitserve.v1 import generation_pb2, generation_pb2_grpc
 
 
 @dataclass(frozen=True)
 class UpConfig:
-    model: str  # a model directory (resolved: the workers must not race to fetch it)
-    n_prefill: int = 1
-    n_decode: int = 1
-    n_colocated: int = 0
-    grpc_port: int = 50051
-    engine_args: tuple[str, ...] = ()  # passed on to every worker
-    router_args: tuple[str, ...] = ()
-    log_dir: Path | None = None  # None: children write to our console
-    log_level: str = "INFO"  # the components' own logging
-    extra_env: dict[str, str] = field(default_factory=dict)  # for every child, over the rest
+    # A model directory, resolved once: the workers must not race to fetch it.
+    model: str = setting(internal=True)
+    n_prefill: int = setting(1, "prefill workers", flag="--prefill")
+    n_decode: int = setting(1, "decode workers", flag="--decode")
+    n_colocated: int = setting(0, "colocated (prefill+decode) workers", flag="--colocated")
+    # The serving processes (router, worker servers) share the cores the engines leave free
+    # (deploy/placement.py).
+    pin_serving: bool = setting(
+        True, "keep the router and worker servers on the cores the engines leave free")
+    start_timeout_s: float = setting(600.0, "how long the engines may take to load")
+    grpc_port: int = setting(50051, internal=True)  # the router's --grpc-port
+    engine_args: tuple[str, ...] = setting((), internal=True)  # passed on to every worker
+    router_args: tuple[str, ...] = setting((), internal=True)
+    log_dir: Path | None = setting(None, internal=True)  # None: children write to our console
+    log_level: str = setting("INFO", internal=True)  # the components' own logging
+    extra_env: dict[str, str] = setting(factory=dict, internal=True)  # every child's, over all
     # The cluster's credentials (deploy/local_security.py), given to each child in its
     # environment; the Registry gets a port of its own (mutual TLS with `--tls`).
-    secure: LocalSecurity | None = None
-    ready_file: str | None = None  # tests: where everything is, written once ready
-    api_key: str | None = None  # what our own calls to the router present
-    start_timeout_s: float = 600.0
+    secure: LocalSecurity | None = setting(None, internal=True)
+    ready_file: str | None = setting(None, internal=True)  # where everything is, once ready
+    api_key: str | None = setting(None, internal=True)  # what our own calls present
 
 
 def say(msg: str) -> None:
@@ -135,7 +141,7 @@ def up(cfg: UpConfig, run_until: Callable[[str, TLSConfig | None], bool] | None 
         wait_workers(address, cfg.n_prefill, cfg.n_decode + cfg.n_colocated, cluster,
                      cfg.start_timeout_s, t0, tls, cfg.api_key)
         pinned = pin_serving([p.popen.pid for p in cluster.procs],
-                             [cores(i) for i in range(len(roles))])
+                             [cores(i) for i in range(len(roles))]) if cfg.pin_serving else set()
         if pinned and cfg.log_dir is None:  # a detail for those who asked for details
             say(f"router and worker servers pinned to core(s) "
                 f"{','.join(map(str, sorted(pinned)))}; engines keep their own")

@@ -10,7 +10,7 @@ Only the serving processes' own threads are pinned, after their engines have sta
 engine processes are children of a worker and bind their compute threads themselves, so they are
 left where they are (each worker lowers its EngineCore's priority itself, wherever it runs:
 splitserve/engine_core.py). Nothing is pinned when the engines take every core (nothing would be
-left to pin to) or with SPLITSERVE_PIN_SERVING=0.
+left to pin to) or with `up --no-pin-serving`.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ def pin_serving(pids: list[int], engine_cores: list[str]) -> set[int]:
     """Pin every thread of `pids` (not their children) to the free cores; returns those cores
     (empty: nothing pinned)."""
     cores = free_cores(engine_cores)
-    if not cores or os.environ.get("SPLITSERVE_PIN_SERVING", "1") == "0":
+    if not cores:
         return set()
     place_threads(pids, cores)
     return cores

@@ -18,4 +18,4 @@ def servicer_for(role: Role) -> AddServicer:
 
 
 def run(cfg: WorkerConfig, ready_file: str | None = None) -> None:
-    run_loop(serve(cfg, servicer_for(cfg.role), ready_file))
+    run_loop(serve(cfg, servicer_for(cfg.role), ready_file), cfg.uvloop)

@@ -81,6 +81,8 @@ class RouterConfig:
         "far)")
     drain_timeout_s: float = setting(
         30.0, "on SIGTERM, how long running requests may take to finish")
+    uvloop: bool = setting(True, "run the event loop on uvloop where installed (off: asyncio's "
+                                 "own)")
     # Same semantics as vLLM's --stream-interval; measured in bench/router_throughput.py.
     stream_interval: int = setting(
         1, "stream at least this many tokens per message (the first and the last at once); a "

@@ -23,6 +23,7 @@ from deploy.launch_flags import (
     WORKER_SIDE,
     child_argv,
 )
+from deploy.local import UpConfig
 from router.config import RouterConfig
 from router.validation import RequestLimits
 from splitserve.engine import EngineConfig
@@ -35,8 +36,9 @@ ROOT = Path(__file__).resolve().parent.parent
 WORKER = ((WorkerConfig, ""), (EngineConfig, ""), (ConnectorSettings, KV))
 ROUTER = ((RouterConfig, ""), (RequestLimits, ""))
 # (command, the configs it runs, what it decides itself)
-COMMANDS = [(("router",), ROUTER, {}), *((((r.value,), WORKER, {}) for r in Role)),
-            (("up",), COMPONENTS, UP_DECIDES), (("ray", "up"), COMPONENTS, RAY_DECIDES)]
+COMMANDS = [(("router",), ROUTER, {}), *(((r.value,), WORKER, {}) for r in Role),
+            (("up",), (*COMPONENTS, (UpConfig, "")), UP_DECIDES),
+            (("ray", "up"), COMPONENTS, RAY_DECIDES)]
 
 
 def _subparser(path: tuple[str, ...]) -> argparse.ArgumentParser:

@@ -35,6 +35,8 @@ class WorkerConfig:
     drain_timeout_s: float = setting(
         30.0, "on SIGTERM, how long running requests may take to finish")
     heartbeat_interval_s: float = setting(1.0, internal=True)
+    uvloop: bool = setting(True, "run the event loop on uvloop where installed (off: asyncio's "
+                                 "own)")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "role", Role(self.role))
