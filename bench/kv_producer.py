@@ -47,7 +47,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 DEFAULTS: dict[str, Any] = {
     "num_layers": 3, "num_blocks": 16, "shape": [2, 32, 128], "dtype": "bfloat16", "model": "m",
     "block_size": 32, "seed": 7, "engine_id": "fake-p", "port": 0, "copy_out": False,
-    "lease_s": 30.0, "timeout_s": 5.0, "secret": None,
+    "lease_s": 30.0, "timeout_s": 5.0, "secret": None, "data_host": None,
     "max_connections": 64, "cache_dtype": "auto", "transport": "auto",
     "hold_arena_mib": ConnectorSettings().hold_arena_mib}
 
@@ -65,7 +65,8 @@ def caches_of(cfg: dict[str, Any], seed: int | None = None) -> dict[str, torch.T
 
 
 def settings_of(cfg: dict[str, Any], secret: str | None) -> ConnectorSettings:
-    return ConnectorSettings(side_channel_port=cfg["port"], lease_s=cfg["lease_s"],
+    return ConnectorSettings(side_channel_port=cfg["port"], data_host=cfg["data_host"],
+                             lease_s=cfg["lease_s"],
                              timeout_s=cfg["timeout_s"], secret=secret,
                              max_connections=cfg["max_connections"],
                              transport=cfg["transport"],

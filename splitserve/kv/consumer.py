@@ -125,7 +125,7 @@ class Consumer:
 
     def start(self, kv_caches: dict[str, torch.Tensor], spec: KVSpec) -> None:
         self._kv, self._spec = kv_caches, spec
-        self._place = Place(kv_caches, self.settings.host, self.settings.timeout_s)
+        self._place = Place(kv_caches, self.settings.data_address, self.settings.timeout_s)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

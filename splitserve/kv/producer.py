@@ -84,7 +84,7 @@ class Producer:
         self._kv, self._spec = kv_caches, spec
         if s.status_file:
             self.book.on_change = BoardWriter(s.status_file).publish
-        place = Place(kv_caches, s.host, s.timeout_s)
+        place = Place(kv_caches, s.data_address, s.timeout_s)
         self.kinds = producer_kinds(s, place, self.copy_out)
         sock = socket.create_server((s.host, s.side_channel_port))
         self.side_port = sock.getsockname()[1]  # the real port when asked for port 0

@@ -24,6 +24,11 @@ class ConnectorSettings:
 
     host: str = setting("127.0.0.1", "address KV peers use to reach this worker (side channel, "
                         "data plane)")
+    # Bulk KV can take another network than the side channel's messages (a second NIC, a
+    # faster fabric): the pair channel's rendezvous store and its gloo/NCCL sockets bind here.
+    data_host: str | None = setting(
+        None, "address of the KV data plane (the pair channel's store and process group) when "
+        "bulk KV should take another network than --kv-host; default: --kv-host")
     side_channel_port: int = setting(
         0, "prefill side: the KV side channel's port (0: any free one, which the worker reports)")
     lease_s: float = setting(
@@ -78,6 +83,10 @@ class ConnectorSettings:
             raise ValueError(f"hold_arena_mib must be >= 0, got {self.hold_arena_mib}")
         if self.max_connections < 1:
             raise ValueError(f"max_connections must be >= 1, got {self.max_connections}")
+
+    @property
+    def data_address(self) -> str:
+        return self.data_host or self.host
 
     @classmethod
     def from_extra(cls, extra: dict[str, Any]) -> ConnectorSettings:

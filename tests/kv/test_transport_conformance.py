@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from splitserve.faults import Faults
+from splitserve.kv.transport import pair
 from tests.kv.transport_harness import job, pull, results_of, wait_until
 
 # path -> (the consumer's transport setting, the producer's settings)
@@ -132,3 +133,28 @@ def test_impostors_are_refused_both_ways(producers, consumers, path: str) -> Non
     assert pull(c, genuine, "t1", [1], [2]).ok and landed(genuine, c, [1], [2])
     assert genuine.cmd(op="finished")["status"]["held"] == 0
     assert c.stats.total.shm_transfers == int(path != "pair")
+
+
+def _listening(address: str) -> bool:
+    """Whether some socket on this host listens on `address` (an IPv4 address), per the kernel."""
+    want = "".join(f"{int(x):02X}" for x in reversed(address.split(".")))
+    with open("/proc/net/tcp") as f:
+        return any(row.split()[1].startswith(want + ":") and row.split()[3] == "0A"
+                   for row in list(f)[1:])
+
+
+def test_the_data_plane_takes_its_own_address(producers, consumers, monkeypatch) -> None:
+    """`data_host` (--kv-data-host): the producer's process group listens there, and the
+    consumer dials the pair channel's store at the address the welcome gives, not at the side
+    channel's."""
+    dialed = []
+    real = pair.connect_store
+    monkeypatch.setattr(pair, "connect_store", lambda host, *a: dialed.append(host) or real(
+        host, *a))
+    assert not _listening("127.0.0.2")
+    p, c = pair_up(producers, consumers, "pair", data_host="127.0.0.2")
+    assert _listening("127.0.0.2") and dialed == ["127.0.0.2"]
+    remote, local = [2, 5], [9, 4]
+    assert p.cmd(op="hold", transfer_id="d1", block_ids=remote)["ok"]
+    assert pull(c, p, "d1", remote, local).ok and landed(p, c, remote, local)
+    assert_path(p, c, "pair", 1)

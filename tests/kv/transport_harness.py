@@ -58,7 +58,8 @@ def consumers(producers):  # producers: set up before, torn down after the consu
         for t in caches.values():
             t.zero_()
         c = Consumer("test-d", ConnectorSettings(timeout_s=cfg["timeout_s"],
-                                                 secret=cfg["secret"], transport=transport),
+                                                 secret=cfg["secret"], transport=transport,
+                                                 data_host=cfg["data_host"]),
                      TransferStats())
         c.start(caches, spec_from_caches(cfg["model"], cfg["block_size"], caches,
                                          cfg["cache_dtype"]))

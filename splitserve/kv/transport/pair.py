@@ -32,11 +32,11 @@ class PairOffer(tp.Offer):
         self.place, self.producer_host, self.params = place, producer_host, {}
 
     def taken(self, kind: str, params: dict, link_key: str) -> PairConsumerEnd:
-        port = params.get("store_port")
-        if not isinstance(port, int):
-            raise tp.TransportError(f"the producer's welcome names no store port: {params}")
+        port, host = params.get("store_port"), params.get("store_host", self.producer_host)
+        if not isinstance(port, int) or not isinstance(host, str):
+            raise tp.TransportError(f"the producer's welcome names no store address: {params}")
         p = self.place
-        store = connect_store(self.producer_host, port, p.timeout_s)
+        store = connect_store(host, port, p.timeout_s)  # its data plane's address
         return PairConsumerEnd(PairChannel(store, link_key, CONSUMER_RANK, p.device, p.timeout_s,
                                            p.host), p)
 
@@ -77,7 +77,8 @@ class PairKind(tp.Kind):
 
 class PairProducerEnd(tp.ProducerEnd):
     def __init__(self, kind: PairKind) -> None:
-        self.kind, self.params = kind, {"store_port": kind.store.port}
+        self.kind = kind
+        self.params = {"store_host": kind.place.host, "store_port": kind.store.port}
         self.chan: PairChannel | None = None
 
     def open(self, link_key: str) -> None:
