@@ -8,27 +8,16 @@ function that adds its subparsers.
 from __future__ import annotations
 
 import argparse
+import importlib
 
-
-def _bench(a: argparse.Namespace) -> int:
-    from bench.run import main
-
-    return main(a)
-
-
-def _plan(a: argparse.Namespace) -> int:
-    from bench.planner import main
-
-    return main(a)
+# name -> (help, the module with its `add_arguments(parser)` and `main(args) -> exit code`)
+COMMANDS = {"bench": ("SLO-driven load test against a router", "bench.run"),
+            "plan": ("recommend prefill:decode counts from measured profiles", "bench.planner")}
 
 
 def register(sub: argparse._SubParsersAction) -> None:
-    from bench.planner import add_arguments as plan_arguments
-    from bench.run import add_arguments
-
-    b = sub.add_parser("bench", help="SLO-driven load test against a router")
-    add_arguments(b)
-    b.set_defaults(func=_bench)
-    pl = sub.add_parser("plan", help="recommend prefill:decode counts from measured profiles")
-    plan_arguments(pl)
-    pl.set_defaults(func=_plan)
+    for name, (help_text, module) in COMMANDS.items():
+        command = importlib.import_module(module)
+        p = sub.add_parser(name, help=help_text)
+        command.add_arguments(p)
+        p.set_defaults(func=command.main)
