@@ -124,8 +124,8 @@ class GenerationService(generation_pb2_grpc.GenerationServicer):
         """Validate and tokenise; shared with the HTTP front. Raises InvalidArgument.
 
         Token ids stay in the request's own repeated field: the worker requests copy it in C,
-        where a Python list of a 2,000-token prompt took ~0.1 ms to make and as long to copy
-        into each worker request."""
+        where a Python list would cost a prompt's length to make and again to copy into each
+        worker request."""
         check_model(request.model, self.model_names)
         validate_prompt(request, vocab_size=self.tokenizer.vocab_size,
                         max_model_len=self.cfg.max_model_len)

@@ -50,7 +50,7 @@ class ApiError(Exception):
 def build_app(service: GenerationService, registry: CollectorRegistry,
               api_keys: tuple[str, ...] = ()) -> _Arrival:
     # A dependency of the /v1 routes, not an HTTP middleware: Starlette's BaseHTTPMiddleware
-    # relays a streaming body through a memory channel, which cost every request ~60 ms of TTFT.
+    # relays a streaming body through a memory channel, which delays every request's first token.
     async def auth(request: Request) -> None:
         if api_keys and not matches(request.headers.get("authorization"), api_keys):
             raise ApiError(401, "invalid or missing API key", kind="authentication_error",

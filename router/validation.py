@@ -29,11 +29,9 @@ MAX_REQUEST_ID_CHARS = 256  # it names the request in every worker's ids and log
 # Beyond this a stream is one message at the end anyway (max_tokens is at most the context).
 MAX_STREAM_INTERVAL = 1 << 20
 _DEFAULTS = Sampling()
-# Prompts of up to this many token ids are range-checked in a Python loop, longer ones with numpy.
-# The loop costs ~80 ns an id (0.16 ms at 2,048 ids, all of it before the first token); numpy
-# ~10 µs at any length once warm, but more than the loop on a short prompt when the router's
-# core has idled between requests and its caches are cold (+0.12 ms per 64-token request
-# through the router, measured with temporary time stamps).
+# Prompts of up to this many token ids are range-checked in a Python loop, longer ones with numpy:
+# the loop's cost grows with the prompt (all of it before the first token), numpy's does not,
+# but on a short prompt, with the router's caches cold after an idle spell, numpy costs more.
 _LOOP_MAX_IDS = 256
 
 

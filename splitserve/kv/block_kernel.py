@@ -1,8 +1,9 @@
 """One launch for a request's blocks in every layer (CUDA; Triton).
 
 blocks.py's copies by layer cost a kernel launch per layer, and each a host-to-device copy of the
-block ids: on an H200 a fixed ~0.5 ms per gather of a 32-layer model, 0.26 of a plain device
-copy of the same bytes at 2,048 prompt tokens (issue 13). Here one kernel moves every layer: a
+block ids: a fixed cost per gather that a deep model pays once per layer, a large share of a
+plain device copy of the same bytes (docs/benchmarks.md, "GPU block copies"). Here one kernel
+moves every layer: a
 table of the layers' addresses (made once per cache and kept on the device) and the block ids go
 in, and program (layer, block, tile) copies one tile of one block as raw words, so any cache
 dtype (fp8 too) moves bit-exact. A block is one dense range of memory in vLLM's layouts

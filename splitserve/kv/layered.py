@@ -1,7 +1,7 @@
 """An in-step load whose scatter overlaps the forward pass that reads it (`load="layered"`).
 
 An in-step load ("sync") makes the decode engine's forward pass wait for the whole scatter of
-the pulled KV into the request's blocks: ~4 ms for 16 MB on a CPU host, on the hand-off's path.
+the pulled KV into the request's blocks, on the hand-off's path.
 The forward reads layer i's cache only in layer i's attention, and vLLM asks the connector for
 each layer first (`wait_for_layer_load`), so the scatter can run beside the forward, a layer
 ahead of it, on a helper thread.
@@ -125,11 +125,9 @@ def leave_engine_cores() -> None:
     another engine's core: a few milliseconds of copying per hand-off, or none when the forward
     takes the layers first. No-op where the engine holds every core.
 
-    Tried and dropped (2026-12-07): moving the helper onto the engine's core for the pull's
-    round trip (the engine's thread waits for it then) and aside only for the layers. Every
-    decode step got slower, not only the loading ones (bench model, p50 34-40 -> 37-48 ms in
-    five runs against `sync`, where this placement left them as they were): docs/benchmarks.md,
-    "KV hand-off"."""
+    Not the engine's core for the pull's round trip and aside only for the layers: that made
+    every decode step slower, not only the loading ones (docs/benchmarks-log.md, "KV
+    hand-off")."""
     own = os.sched_getaffinity(0)
     others = set(range(os.cpu_count() or 1)) - own
     if others:

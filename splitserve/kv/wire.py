@@ -26,7 +26,7 @@ class WireError(ConnectionError):
 def no_delay(sock: socket.socket) -> socket.socket:
     """Small messages go out at once. With Nagle's algorithm on, a message sent right after
     another that the peer has not answered (a pull's "read", then the next pull) waits for the
-    peer's delayed ACK: 40 ms on Linux, measured as a 40 ms floor under every arena pull."""
+    peer's delayed ACK (40 ms on Linux), a floor under every pull."""
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     except OSError:
