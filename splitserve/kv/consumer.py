@@ -289,5 +289,6 @@ class Consumer:
             peer.conn = connect(peer.host, peer.port, engine_id=self.engine_id,
                                 expect_engine_id=tk.engine_id, spec=self._spec,
                                 secret=s.secret, timeout_s=s.timeout_s,
-                                offers=consumer_offers(s, self._place, peer.host, peer.unusable))
+                                make_offers=lambda: consumer_offers(s, self._place, peer.host,
+                                                                    peer.unusable))
         return peer.conn

@@ -60,17 +60,19 @@ def _proof(secret: str | None, side: str, producer_nonce: str, consumer_nonce: s
 
 
 def connect(host: str, port: int, *, engine_id: str, expect_engine_id: str | None, spec: KVSpec,
-            secret: str | None, timeout_s: float, offers: list[Offer]) -> Connection:
+            secret: str | None, timeout_s: float,
+            make_offers: Callable[[], list[Offer]]) -> Connection:
     """The consumer's side: a proven, compatible connection to the producer at host:port, over
-    the path it chose among `offers` (the others are closed, and all of them on failure)."""
+    the path it chose among the offers (made once the producer answers; the others are closed,
+    and all of them on failure)."""
     try:
         sock = no_delay(socket.create_connection((host, port), timeout=timeout_s))
     except OSError as e:
-        for offer in offers:
-            offer.close()
         raise TransportError(f"cannot reach KV producer at {host}:{port}: {e}") from e
+    offers: list[Offer] = []
     taken = None
     try:
+        offers = make_offers()
         first = m.recv(sock, m.Challenge, m.Refusal)
         if isinstance(first, m.Refusal):
             raise IncompatiblePeer(f"KV producer at {host}:{port} refused: {first.error}")
