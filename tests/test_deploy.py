@@ -139,13 +139,17 @@ def test_hpa_metrics_are_what_the_adapter_exposes_and_workers_serve() -> None:
     assert all(f'"{m.replace("splitserve_", "splitserve:")}"' in served for m in wanted)
 
 
-def test_kuberay_job_runs_a_real_ray_command() -> None:
+def test_kuberay_job_runs_a_real_ray_command(tmp_path: Path) -> None:
+    """The RayJob's command, with the settings file its head pod mounts from the ConfigMap."""
     docs = {d["kind"]: d for d in render("kuberay")}
     cmd = docs["RayJob"]["spec"]["entrypoint"].split()
     assert cmd[:3] == ["splitserve", "ray", "up"]
-    args = build_parser().parse_args(cmd[1:])
+    head_pod = {"spec": docs["RayCluster"]["spec"]["headGroupSpec"]}
+    head = _containers(head_pod)[0]
+    configs = {docs["ConfigMap"]["metadata"]["name"]: docs["ConfigMap"]["data"]}
+    args = _parse({**head, "args": cmd[1:]}, head_pod, configs, tmp_path)
     assert args.detach and args.address == "auto" and args.gpus_per_worker == 1
-    head = docs["RayCluster"]["spec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
+    assert (args.model, args.kv_cache_mib) == ("/models/model", 16384)
     secrets = {e["name"] for e in head["env"] if "secretKeyRef" in e.get("valueFrom", {})}
     assert secrets == {"SPLITSERVE_API_KEY", "SPLITSERVE_CLUSTER_TOKEN", "SPLITSERVE_KV_SECRET"}
     assert docs["RayCluster"]["spec"]["rayVersion"] == __import__("ray").__version__
