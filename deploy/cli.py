@@ -219,7 +219,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--tls", action="store_true",
                    help="TLS on every listener, mutual between components, with a throwaway CA "
                         "(its files are printed; they go when the cluster stops)")
-    add_component_flags(u, UP_DECIDES)
+    add_component_flags(u, decides=UP_DECIDES)
     sec.add_kv_secret(u)
     sec.add_api_key(u)
     u.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
@@ -228,8 +228,7 @@ def build_parser() -> argparse.ArgumentParser:
     r = sub.add_parser("router", help="the router alone")
     add_config_flag(r)
     add_flags(r, EngineConfig, only={"model"})
-    add_flags(r, RouterConfig, title="router")
-    add_flags(r, RequestLimits, title="request limits")
+    add_component_flags(r, ROUTER_SIDE)
     sec.add_api_key(r)
     sec.add_cluster_token(r)
     sec.add_tls(r)
@@ -239,9 +238,7 @@ def build_parser() -> argparse.ArgumentParser:
     for role in Role:
         w = sub.add_parser(role.value, help=f"one {role} worker")
         add_config_flag(w)
-        add_flags(w, WorkerConfig, title="worker")
-        add_flags(w, EngineConfig, title="engine")
-        add_flags(w, ConnectorSettings, KV, title="KV transfer")
+        add_component_flags(w, WORKER_SIDE)
         sec.add_kv_secret(w)
         w.add_argument("--ready-file", default=None, help=argparse.SUPPRESS)
         sec.add_cluster_token(w)

@@ -21,12 +21,14 @@ from splitserve.worker.config import WorkerConfig
 
 KV = "kv-"  # the prefix of the KV connector's flags
 
+Side = tuple[tuple[type, str], ...]  # (config, flag prefix) pairs
+
 # (config, flag prefix) of every component setting, in the order --help shows them.
-COMPONENTS = ((EngineConfig, ""), (ConnectorSettings, KV), (RouterConfig, ""),
+COMPONENTS: Side = ((EngineConfig, ""), (ConnectorSettings, KV), (RouterConfig, ""),
               (RequestLimits, ""), (WorkerConfig, ""))
 # What a worker hands its engine, and what the router takes, of those.
-WORKER_SIDE = ((EngineConfig, ""), (ConnectorSettings, KV), (WorkerConfig, ""))
-ROUTER_SIDE = ((RouterConfig, ""), (RequestLimits, ""))
+WORKER_SIDE: Side = ((WorkerConfig, ""), (EngineConfig, ""), (ConnectorSettings, KV))
+ROUTER_SIDE: Side = ((RouterConfig, ""), (RequestLimits, ""))
 
 Decides = Mapping[type, frozenset[str]]
 
@@ -48,17 +50,19 @@ RAY_DECIDES: Decides = {
 }
 
 
-def add_component_flags(p: argparse.ArgumentParser, decides: Decides) -> None:
-    """The flags of every component setting the launcher does not decide."""
-    titles = {EngineConfig: "engine (every worker)", ConnectorSettings: "KV transfer",
-              RouterConfig: "router", RequestLimits: "request limits (router)",
-              WorkerConfig: "worker"}
-    for cls, prefix in COMPONENTS:
-        add_flags(p, cls, prefix, skip=decides.get(cls, ()), title=titles[cls])
+_TITLES = {EngineConfig: "engine", ConnectorSettings: "KV transfer", RouterConfig: "router",
+           RequestLimits: "request limits (router)", WorkerConfig: "worker"}
 
 
-def child_argv(a: argparse.Namespace, side: tuple[tuple[type, str], ...],
-               decides: Decides) -> list[str]:
+def add_component_flags(p: argparse.ArgumentParser, configs: Side = COMPONENTS,
+                        decides: Decides | None = None) -> None:
+    """The flags of `configs`' settings (every component's, or one side's, as a component
+    command takes them), but those the launcher `decides`."""
+    for cls, prefix in configs:
+        add_flags(p, cls, prefix, skip=(decides or {}).get(cls, ()), title=_TITLES[cls])
+
+
+def child_argv(a: argparse.Namespace, side: Side, decides: Decides) -> list[str]:
     """Flags for a child on `side` (WORKER_SIDE, ROUTER_SIDE): the settings given to the
     launcher, but what the launcher decides (and passes itself)."""
     return [x for cls, prefix in side

@@ -116,16 +116,23 @@ def _actions(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> list[
     return list(parser._actions)
 
 
+def _getter(obj: Any):
+    """name -> obj's value of that name (a mapping's item or an attribute); MISSING if none."""
+    if isinstance(obj, Mapping):
+        return lambda k: obj.get(k, dataclasses.MISSING)
+    return lambda k: getattr(obj, k, dataclasses.MISSING)
+
+
 def values(cls: type, ns: argparse.Namespace | Mapping[str, Any], prefix: str = "",
            skip: Iterable[str] = ()) -> dict[str, Any]:
     """{field: value} of `cls`'s flags in a parsed namespace (fields without a flag there, and
     those in `skip`, are left out: the dataclass's default, or the caller, fills them)."""
-    get = ns.get if isinstance(ns, Mapping) else (lambda k, d=None: getattr(ns, k, d))
+    get = _getter(ns)
     out = {}
     for f, _, dest in flag_fields(cls, prefix):
         if f.name in skip:
             continue
-        value = get(dest, dataclasses.MISSING)
+        value = get(dest)
         if value is dataclasses.MISSING:
             continue
         out[f.name] = tuple(value) if isinstance(value, list) else value
@@ -136,10 +143,10 @@ def argv(cls: type, obj: Any, prefix: str = "", skip: Iterable[str] = ()) -> lis
     """The flags that give a child process `obj`'s settings (a `cls` instance, or a mapping of
     field to value): those that differ from the default, which the child shares."""
     skip = set(skip)
-    get = obj.get if isinstance(obj, Mapping) else (lambda k, d=None: getattr(obj, k, d))
+    get = _getter(obj)
     out: list[str] = []
     for f, name, _ in flag_fields(cls, prefix):
-        value = get(f.name, dataclasses.MISSING)
+        value = get(f.name)
         if f.name in skip or value is dataclasses.MISSING or value == default_of(f):
             continue
         if isinstance(value, bool):

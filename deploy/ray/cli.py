@@ -76,7 +76,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "as large as the planner's model needs for the observed rate")
     u.add_argument("--detach", action="store_true",
                    help="return once up; the deployment stays (needs --address)")
-    add_component_flags(u, RAY_DECIDES)  # after Ray's own: theirs name the ports
+    add_component_flags(u, decides=RAY_DECIDES)  # after Ray's own: theirs name the ports
     u.set_defaults(func=_up)
 
     s = rs.add_parser("scale", help="resize the pools of a running deployment")
