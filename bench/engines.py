@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
-from splitserve.engine import EngineConfig, build_engine, token_prompt
+from splitserve.engine import EngineConfig, build_engine, stop_engine, token_prompt
 
 if TYPE_CHECKING:  # imports vllm: only where engines really run
     from splitserve.engine_stats import EngineMonitor
@@ -146,9 +146,13 @@ class EngineSet:
 
     def close(self) -> None:
         import gc
+        from concurrent.futures import ThreadPoolExecutor
 
-        for e in self.engines.values():
-            e.shutdown()
+        # All at once: most of an engine's shutdown is waiting for its processes to exit (one
+        # after the other, seven engines took 27 s to stop).
+        if self.engines:
+            with ThreadPoolExecutor(len(self.engines)) as pool:
+                list(pool.map(stop_engine, self.engines.values()))
         # Collected now, while everything is importable: AsyncLLM.__del__ shuts down again, and
         # left to interpreter teardown it trips over half-unloaded modules.
         self.engines.clear()

@@ -57,7 +57,7 @@ def start_vllm(a: argparse.Namespace, model: str, log: Path,
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model,
          "--dtype", a.dtype, "--max-model-len", str(a.max_model_len), "--port", str(a.vllm_port),
          "--kv-cache-memory-bytes", str(a.kv_cache_mib << 20), "--block-size", "128",
-         "--enforce-eager", "--max-num-seqs", "64", "--seed", "0",
+         "--max-num-seqs", "64", "--seed", "0",
          "--stream-interval", str(a.stream_interval)],
         env=env, stdin=subprocess.DEVNULL, stdout=open(log, "w"), stderr=subprocess.STDOUT,
         **child_group(own_session))

@@ -27,6 +27,7 @@ import grpc
 from deploy.local_security import LocalSecurity
 from deploy.placement import pin_serving
 from deploy.procs import Proc, ProcessSet
+from deploy.progress import LogWatch
 from splitserve.credentials import bearer
 from splitserve.roles import Role
 from splitserve.settings import setting
@@ -69,12 +70,19 @@ def wait_workers(address: str, want_prefill: int, want_decode: int, cluster: Pro
     """Until the router sees every worker; a line for each worker as its engine is ready."""
     deadline = time.monotonic() + timeout_s
     pending: list[Proc] = [p for p in cluster.procs if p.role is not None]
+    # With logs in files, a line as each engine enters a phase (compiling takes a while); on
+    # the console (`--verbose`) vLLM's own lines say it.
+    watches = ({p.name: LogWatch(cluster.log_dir / f"{p.name}.log") for p in pending}
+               if cluster.log_dir else {})
     with sync_channel(address, tls) as ch:
         stub = generation_pb2_grpc.GenerationStub(ch)
         while time.monotonic() < deadline:
             if cluster.dead():
                 raise RuntimeError(f"exited during start-up: {', '.join(cluster.dead())}"
                                    + cluster.tails())
+            for p in pending:
+                if p.name in watches and (now := watches[p.name].changed()):
+                    say(f"{p.name}: {now}")
             for p in [p for p in pending if p.ready_file.exists() and p.ready_file.read_text()]:
                 say(f"{p.name} ready in {time.monotonic() - started:.0f} s")
                 pending.remove(p)

@@ -17,6 +17,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from splitserve import compilation
+from splitserve.compilation import GRAPH_MODES
 from splitserve.engine_core import ENGINE_CORE_NICE, lower_engine_core
 from splitserve.engine_spin import SPIN_ENV, SPIN_S
 from splitserve.kv.settings import KV_SECRET_ENV, ConnectorSettings
@@ -67,8 +69,16 @@ class EngineConfig:
     speculative_tokens: int = setting(
         0, "n-gram speculative decoding (prompt lookup, no draft model): tokens proposed per "
         "step; 0 = off. For decode and colocated workers; greedy output is unchanged")
-    # No compile or graph capture: start-up in seconds, not minutes.
-    enforce_eager: bool = setting(True, "run the model eagerly (no torch.compile, no graphs)")
+    # Compiled is vLLM's default and what its users compare against (splitserve/compilation.py).
+    enforce_eager: bool = setting(
+        False, "run the model eagerly: no torch.compile and no CUDA graphs (starts faster, "
+        "runs slower)")
+    cudagraph_mode: str = setting(
+        "auto", "GPU only: vLLM's CUDA graph mode; auto is vLLM's default, except piecewise for "
+        "prefill engines and layered KV loads (splitserve/compilation.py)", choices=GRAPH_MODES)
+    compile_cache_dir: str | None = setting(
+        None, "where compiled models are cached, shared by the engines of a host (default: "
+        "vLLM's ~/.cache/vllm and Inductor's /tmp/torchinductor_$USER)", metavar="DIR")
     seed: int = setting(0, "the engine's sampling seed")
     # Several engines on one host must not share cores: vLLM's "auto" binds each of them to the
     # same first core, and their spinning OpenMP threads then starve each other.
@@ -110,6 +120,11 @@ class EngineConfig:
             raise ValueError(f"spin_s must be >= 0, got {self.spin_s}")
         if self.kv_cache_mib <= 0:
             raise ValueError(f"kv_cache_mib must be positive, got {self.kv_cache_mib}")
+        compilation.check(self.enforce_eager, self.cudagraph_mode, self.layered_load)
+
+    @property
+    def layered_load(self) -> bool:
+        return self.kv_role in ("kv_consumer", "kv_both") and self.kv_settings.load == "layered"
 
 
 def concrete_dtype(dtype: str, cpuinfo: str | None = None,
@@ -148,7 +163,22 @@ def concrete_dtype(dtype: str, cpuinfo: str | None = None,
     return "float32", "this CPU has no native bf16 (AVX512-BF16/AMX), where float32 is faster"
 
 
-def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
+def on_gpu() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+def graphs(cfg: EngineConfig, gpu: bool) -> tuple[dict, str]:
+    """The engine's CUDA graph settings for vLLM, and why (nothing on CPU or eagerly)."""
+    if cfg.enforce_eager or not gpu:
+        return {}, ""
+    return compilation.graph_overrides(cfg.cudagraph_mode, cfg.kv_role, cfg.layered_load,
+                                       cfg.max_num_seqs, cfg.speculative_tokens)
+
+
+def engine_args(cfg: EngineConfig, gpu: bool | None = None) -> AsyncEngineArgs:
+    """vLLM's arguments for `cfg`, on a GPU host or not (`gpu=None`: this host)."""
     from vllm.config import KVTransferConfig
     from vllm.engine.arg_utils import AsyncEngineArgs
 
@@ -164,6 +194,7 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
             kv_connector_extra_config=cfg.kv_settings.to_extra(),
             kv_load_failure_policy=cfg.kv_failure_policy,
         )
+    overrides, _ = graphs(cfg, on_gpu() if gpu is None else gpu)
     return AsyncEngineArgs(
         model=cfg.model,
         dtype=concrete_dtype(cfg.dtype, model_dir=cfg.model)[0],
@@ -176,6 +207,7 @@ def engine_args(cfg: EngineConfig) -> AsyncEngineArgs:
         max_num_batched_tokens=cfg.max_num_batched_tokens,
         enable_prefix_caching=cfg.enable_prefix_caching,
         enforce_eager=cfg.enforce_eager,
+        **({"compilation_config": overrides} if overrides else {}),
         seed=cfg.seed,
         kv_transfer_config=kv_transfer,
         speculative_config=({"method": "ngram", "num_speculative_tokens": cfg.speculative_tokens,
@@ -228,12 +260,15 @@ def build_engine(cfg: EngineConfig, monitor: EngineMonitor | None = None) -> Asy
     os.environ[SPIN_ENV] = str(cfg.spin_s)  # for the spin plugin in the engine's processes
     for line in claim_environment(cfg):
         log.warning("%s", line)
+    gpu = on_gpu()
+    os.environ.update(compilation.compile_env(cfg.compile_cache_dir))
     if cfg.kv_settings.secret:  # not in vLLM's config, which it logs: its processes inherit this
         os.environ[KV_SECRET_ENV] = cfg.kv_settings.secret
-    log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s", cfg.model, cfg.dtype,
-             cfg.kv_role)
+    log.info("starting vLLM engine: model=%s dtype=%s kv_role=%s; %s", cfg.model, cfg.dtype,
+             cfg.kv_role, compilation.describe(cfg.enforce_eager, gpu, graphs(cfg, gpu)[1],
+                                               os.environ))
     loggers = [monitor.factory] if monitor is not None else None
-    engine = AsyncLLM.from_engine_args(engine_args(cfg), stat_loggers=loggers)
+    engine = AsyncLLM.from_engine_args(engine_args(cfg, gpu), stat_loggers=loggers)
     if engine.vllm_config.device_config.device_type == "cpu":
         lower_engine_core(cfg.engine_core_nice)  # (splitserve/engine_core.py)
     return engine

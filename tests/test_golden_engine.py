@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.engine import EngineConfig, running_engine
-from tests.utils import engine_greedy, make_prompts
+from tests.utils import EAGER, engine_greedy, make_prompts
 
 LENGTHS = [1, 3, 17, 100, 127, 128, 129, 300, 700]
 MAX_TOKENS = 24
@@ -40,7 +40,8 @@ def test_vllm_greedy_equals_transformers(tiny_model_dir: Path) -> None:
     expected = hf_greedy(tiny_model_dir, prompts, MAX_TOKENS)
 
     async def run() -> list[list[int]]:
-        with running_engine(EngineConfig(model=str(tiny_model_dir), dtype="float32")) as engine:
+        cfg = EngineConfig(model=str(tiny_model_dir), dtype="float32", **EAGER)
+        with running_engine(cfg) as engine:
             return await engine_greedy(engine, prompts, MAX_TOKENS)
 
     got = asyncio.run(run())

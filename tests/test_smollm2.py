@@ -19,7 +19,7 @@ import torch
 
 from bench.kv_memory import MIB, ModelKvShape, plan
 from tests.conftest import PackagedModelFiles
-from tests.utils import chat_prompts, engine_greedy, hf_greedy_ids
+from tests.utils import EAGER, chat_prompts, engine_greedy, hf_greedy_ids
 
 QUESTIONS = ["What is the capital of France?", "Write a haiku about the sea.",
              "Give me three tips for staying healthy.", "What is 2 + 2?",
@@ -128,7 +128,7 @@ def test_vllm_greedy_on_the_conversion_equals_transformers_on_the_gguf(
     prompts = chat_prompts(smollm2.model_dir, QUESTIONS)
     expected = hf_greedy_ids(model, prompts, MAX_TOKENS)
 
-    cfg = EngineConfig(model=str(smollm2.model_dir), dtype="float32")
+    cfg = EngineConfig(model=str(smollm2.model_dir), dtype="float32", **EAGER)
     blocks: list[int] = []
 
     async def run() -> list[list[int]]:

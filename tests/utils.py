@@ -14,6 +14,13 @@ from bench.engines import (  # noqa: F401  (the tests' names for them)
     wait_idle,
 )
 
+# Engines in tests start eagerly where start-up dominates what the test proves: compiling the
+# tiny model costs a 2-core host 19 s more on its first start there and 4 s more from the compile
+# cache, and eager and compiled engines give the same tokens. Compiled engines (the default) run
+# where compiling is what is proven: test_connector_e2e's golden cluster, the README's demo.
+EAGER = {"enforce_eager": True}
+EAGER_FLAG = "--enforce-eager"
+
 # Around and across the 128-token CPU block size, plus the extremes.
 GOLDEN_LENGTHS = [1, 2, 5, 17, 127, 128, 129, 200, 255, 256, 257, 384, 511, 640, 1000, 1023]
 

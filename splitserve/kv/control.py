@@ -29,6 +29,13 @@ class KVControl:
         producer = _producer()
         return f"{producer.settings.host}:{producer.side_port}" if producer is not None else ""
 
+    def splitserve_aot_loads(self) -> int:
+        """Compiled forwards this worker loaded from vLLM's AOT compile cache: whether a later
+        start read the cache (splitserve/compilation.py) rather than compiling again."""
+        from splitserve.compilation import aot_loads
+
+        return aot_loads()
+
 
 def _producer():
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group

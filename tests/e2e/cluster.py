@@ -20,6 +20,7 @@ from splitserve.faults import Faults
 from splitserve.kv import shm
 from splitserve.roles import Role
 from splitserve.v1 import generation_pb2_grpc, worker_pb2
+from tests.utils import EAGER_FLAG
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -52,7 +53,7 @@ class ProcCluster(ProcessSet):
         """`faults`: test-only stalls for this worker (splitserve/faults.py)."""
         return self.spawn(name, [role.value, "--model", self.model, "--dtype", "float32",
                                  "--kv-cache-mib", "128", "--cpu-cores", str(core),
-                                 "--kv-timeout-s", "5", *args], role,
+                                 "--kv-timeout-s", "5", EAGER_FLAG, *args], role,
                           env={**(self.env or os.environ), **faults.to_env()} if faults else None)
 
     def generation(self, router: Proc) -> generation_pb2_grpc.GenerationStub:

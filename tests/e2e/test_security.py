@@ -49,6 +49,7 @@ from splitserve.v1 import (
     worker_pb2,
     worker_pb2_grpc,
 )
+from tests.utils import EAGER_FLAG
 
 pytestmark = pytest.mark.slow
 API_KEY = "e2e-client-key"
@@ -64,7 +65,7 @@ def up(tiny_model_dir: Path, tmp_path_factory):
     env.pop(KV_SECRET_ENV, None)
     p = subprocess.Popen([sys.executable, "-m", "deploy.cli", "up", "--tls", "--model",
                           str(tiny_model_dir), "--dtype", "float32", "--kv-cache-mib", "128",
-                          "--grpc-port", "0", "--http-port", "0", "--kv-timeout-s", "5",
+                          EAGER_FLAG, "--grpc-port", "0", "--http-port", "0", "--kv-timeout-s", "5",
                           "--ready-file", str(ready)], cwd=ROOT, env=env, stdout=log,
                          stderr=subprocess.STDOUT)
     try:

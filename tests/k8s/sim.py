@@ -13,7 +13,8 @@ What it keeps of Kubernetes (the parts a rollout's convergence depends on):
             mounted ConfigMaps (`name`, `name.ns.svc`, `name.ns.svc.cluster.local`) resolve to
             the ClusterIP.
   volumes   a PersistentVolumeClaim is a host directory given to the sim; a ConfigMap is its
-            data written to files, as the kubelet projects it.
+            data written to files, as the kubelet projects it; an emptyDir is a directory of
+            the pod's own.
   probes    startup, then readiness and liveness, run as the kubelet runs them: gRPC health
             Check (service "" unless named) to podIP:port, HTTP GET (2xx/3xx), TCP connect;
             ports by number or by the container port's name. Periods are capped at 1 s: the
@@ -159,6 +160,8 @@ class Cluster:
             if (arg == root or arg.startswith(root + "/")) and "configMap" in volumes[m["name"]]:
                 return str(self._config_map(pod, volumes[m["name"]]["configMap"]["name"])
                            ) + arg[len(root):]
+            if (arg == root or arg.startswith(root + "/")) and "emptyDir" in volumes[m["name"]]:
+                return str(self.dir / "emptydir" / pod.name / m["name"]) + arg[len(root):]
             if arg == root or arg.startswith(root + "/"):
                 claim = volumes[m["name"]]["persistentVolumeClaim"]["claimName"]
                 if claim not in self.claims:

@@ -12,6 +12,9 @@ Engines, shared by the module (starting one costs ~15 s on 2 cores):
       with the faults of FAULTS: a consumer honours a request's "corrupt", a layered helper
       is slow; nothing else here stalls)
   C   plain colocated engine: the reference every disaggregated output must equal
+P, D, DS, DL and C run compiled, as vLLM does by default (splitserve/compilation.py): the golden
+test is the proof that the connector's hooks, the layered load's per-layer wait among them,
+work inside a compiled forward. PB and DF prove nothing about compiling, and start eagerly.
 After every test all of them are idle with no KV block in use (leak check); after the module,
 no shared-memory segment their processes made is left (counted by this module's tag: shm.py).
 """
@@ -36,6 +39,7 @@ from splitserve.kv.settings import ConnectorSettings
 from splitserve.kv.ticket import KVTicket, produce_params
 from tests.kv.transport_harness import HANG_S, wait_until
 from tests.utils import (
+    EAGER,
     GOLDEN_LENGTHS,
     EngineSet,
     collect,
@@ -63,14 +67,14 @@ class Cluster(EngineSet):
         super().__init__({
             "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P",
                               kv_settings=replace(kv, status_file=str(self.boards["P"]))),
-            "PB": EngineConfig(**base, kv_role="kv_producer", engine_id="PB",
+            "PB": EngineConfig(**base, **EAGER, kv_role="kv_producer", engine_id="PB",
                                kv_settings=replace(kv, hold="blocks",
                                                    status_file=str(self.boards["PB"]))),
             "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
                               kv_settings=replace(kv, load="async")),
             # Async: test_producer_killed_mid_transfer watches DF's blocks while a pull is in
             # flight, and an in-step pull holds the step that would publish them.
-            "DF": EngineConfig(**base, kv_role="kv_consumer", engine_id="DF",
+            "DF": EngineConfig(**base, **EAGER, kv_role="kv_consumer", engine_id="DF",
                                kv_failure_policy="fail", kv_settings=replace(kv, load="async")),
             "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="DS",
                                kv_settings=replace(kv, load="sync")),
@@ -119,6 +123,10 @@ IN_STEP = pytest.mark.parametrize("consumer", ["DS", "DL"], ids=["in-step-load",
 @LOADS
 def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluster,
                                                                  consumer: str) -> None:
+    for name in ("P", consumer, "C"):  # compiled, as the module's docstring says
+        config = cluster.engines[name].vllm_config
+        assert not config.model_config.enforce_eager, name
+        assert config.compilation_config.mode.name != "NONE", name
     prompts = make_prompts(Path(cluster.model), GOLDEN_LENGTHS, seed=1)
     want = cluster.run(engine_greedy(cluster.C, prompts, MAX_TOKENS))
 
@@ -145,6 +153,10 @@ def test_golden_disaggregated_equals_colocated_under_concurrency(cluster: Cluste
     assert pulled.shm_transfers - before.shm_transfers == len(GOLDEN_LENGTHS)
     assert pulled.arena_transfers - before.arena_transfers == len(GOLDEN_LENGTHS)
     assert pulled.failures == 0 and pulled.bytes > 0
+    # The consumer started after P and found P's compiled forward in the host's compile cache
+    # (the KV role is not part of vLLM's cache key): on CPU only splitserve's vLLM plugin makes
+    # that load work (splitserve/compilation.py); without it, it compiles again.
+    assert cluster.run(cluster.engines[consumer].collective_rpc("splitserve_aot_loads")) == [1]
 
 
 def test_layered_load_one_request_at_a_time(cluster: Cluster) -> None:

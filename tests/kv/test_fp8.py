@@ -16,7 +16,7 @@ import pytest
 from bench.kv_memory import MIB, ModelKvShape, plan
 from splitserve.engine import EngineConfig
 from splitserve.kv.settings import ConnectorSettings
-from tests.utils import GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy, make_prompts
+from tests.utils import EAGER, GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy, make_prompts
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 16
@@ -25,7 +25,7 @@ KV_MIB = 64
 
 @pytest.fixture(scope="module")
 def fp8(tiny_model_dir: Path):
-    base = {"model": str(tiny_model_dir), "dtype": "float32", "kv_cache_mib": KV_MIB}
+    base = {"model": str(tiny_model_dir), "dtype": "float32", "kv_cache_mib": KV_MIB, **EAGER}
     engines = EngineSet({
         "P8": EngineConfig(**base, kv_cache_dtype="fp8", kv_role="kv_producer", engine_id="P8"),
         # The pair channel, as between hosts (the default would take shared memory here): the

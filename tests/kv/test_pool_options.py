@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.engine import EngineConfig
-from tests.utils import GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy, make_prompts
+from tests.utils import EAGER, GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy, make_prompts
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
@@ -25,7 +25,7 @@ CHUNK = 256
 
 @pytest.fixture(scope="module")
 def engines(tiny_model_dir: Path):
-    base = {"model": str(tiny_model_dir), "dtype": "float32", "kv_cache_mib": 64}
+    base = {"model": str(tiny_model_dir), "dtype": "float32", "kv_cache_mib": 64, **EAGER}
     e = EngineSet({
         "C": EngineConfig(**base),
         "CS": EngineConfig(**base, speculative_tokens=SPEC),

@@ -38,7 +38,7 @@ from splitserve.credentials import bearer
 from splitserve.procstat import proc_stat
 from splitserve.roles import Role
 from splitserve.v1 import common_pb2, generation_pb2, generation_pb2_grpc, worker_pb2
-from tests.utils import make_prompts
+from tests.utils import EAGER_FLAG, make_prompts
 
 LENGTHS = [1, 17, 127, 128, 129, 300]
 MAX_TOKENS = 10
@@ -142,7 +142,7 @@ def dep(ray_cluster, tiny_model_dir: Path):
 
     d = ssray.deploy(str(tiny_model_dir), prefill=1, decode=1, host="127.0.0.1",
                      grpc_port=0, cluster_port=0, http_port=0,  # each bound by its server
-                     engine_args=("--dtype", "float32", "--kv-cache-mib", "64",
+                     engine_args=("--dtype", "float32", "--kv-cache-mib", "64", EAGER_FLAG,
                                   "--kv-timeout-s", "5"),
                      start_timeout_s=START_S)
     d.seen = []  # every process that was part of the deployment, checked after `down`
@@ -335,7 +335,7 @@ def test_cli_up_with_autoscale_status_and_down(ray_cluster, reference,
     up = _cli("up", "--detach", "--name", "cli", "--model", str(tiny_model_dir), "--host",
               "127.0.0.1", "--grpc-port", "0", "--cluster-port", "0", "--http-port", "0",
               "--prefill", "0", "--decode", "1", "--dtype", "float32", "--kv-cache-mib", "64",
-              "--autoscale", "--slo", "ttft=60s,tpot=60s", "--min-prefill", "0",
+              EAGER_FLAG, "--autoscale", "--slo", "ttft=60s,tpot=60s", "--min-prefill", "0",
               "--max-prefill", "0", "--max-decode", "1", "--autoscale-interval-s", "0.2",
               timeout_s=START_S + 120)
     assert up.returncode == 0, up.stderr[-3000:]
