@@ -40,6 +40,13 @@ _FULL = ("full_and_piecewise", "full_decode_only")
 # entry point (pyproject.toml) in the engines of splitserve's workers on CPU.
 _PATCHED = "_splitserve_finalizable"
 
+# vLLM keys its compile cache on every vLLM variable in the environment, the CPU engine's core
+# binding among them, so the engines of one host, each on cores of its own (`up` places them
+# so), never shared a compiled forward: `up`'s prefill and decode engines each compiled. Where an
+# engine runs is not what it compiles (vLLM's CPU Inductor config reads the thread count when it
+# runs: `cpp.dynamic_threads`), so `engine_plugin` leaves the binding out of the key.
+NOT_COMPILED = ("VLLM_CPU_OMP_THREADS_BIND",)
+
 
 def check(enforce_eager: bool, cudagraph_mode: str, layered_load: bool) -> None:
     """Refuse, at start-up, a combination that cannot work (ValueError with what to change)."""
@@ -109,13 +116,15 @@ def describe(enforce_eager: bool, gpu: bool, graphs: str, env: Mapping[str, str]
 
 
 def engine_plugin() -> None:
-    """vLLM general plugin: vLLM's AOT compile cache loads on CPU (see `_PATCHED`)."""
+    """vLLM general plugin: on CPU, vLLM's AOT compile cache loads (see `_PATCHED`) and serves
+    engines on any cores (see `NOT_COMPILED`)."""
     if ENGINE_PARENT_ENV not in os.environ:
         return
     from vllm.platforms import current_platform
 
     if current_platform.is_cpu():
         finalizable_loads()
+        one_key_for_every_core()
 
 
 def _nothing_to_finalize(vllm_config: Any) -> None:
@@ -144,6 +153,21 @@ def finalizable_loads() -> None:
     setattr(load_compiled_function, _PATCHED, True)
     load_compiled_function.__wrapped_load__ = load  # type: ignore[attr-defined]
     torch.compiler.load_compiled_function = load_compiled_function
+
+
+def one_key_for_every_core() -> None:
+    """vLLM's compile cache key without the variables in NOT_COMPILED."""
+    import vllm.envs as envs
+
+    factors = envs.compile_factors
+    if getattr(factors, _PATCHED, False):
+        return
+
+    def compile_factors() -> dict[str, object]:
+        return {k: v for k, v in factors().items() if k not in NOT_COMPILED}
+
+    setattr(compile_factors, _PATCHED, True)
+    envs.compile_factors = compile_factors
 
 
 def aot_loads() -> int:

@@ -131,3 +131,17 @@ def test_a_function_loaded_from_the_compile_cache_can_be_finalized(monkeypatch) 
     assert cpu.finalize_loading(None) is None and cpu() == "forward"
     gpu = torch.compiler.load_compiled_function("gpu")._artifacts.compiled_fn
     assert gpu.finalize_loading(None) == "vLLM's"
+
+
+def test_the_compile_cache_key_leaves_out_where_an_engine_runs(monkeypatch) -> None:
+    """Engines on different cores share one compiled forward (vLLM's key has the binding)."""
+    import vllm.envs as envs
+
+    from splitserve.compilation import one_key_for_every_core
+
+    monkeypatch.setattr(envs, "compile_factors", envs.compile_factors)  # restored after
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1")
+    assert envs.compile_factors()["VLLM_CPU_OMP_THREADS_BIND"] == "1"  # vLLM's own key
+    one_key_for_every_core()
+    factors = envs.compile_factors()
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in factors and "VLLM_USE_AOT_COMPILE" in factors

@@ -64,23 +64,25 @@ class Cluster(EngineSet):
         self.boards = {name: board_dir / f"{name}.board" for name in ("P", "PB")}
         base = {"model": self.model, "dtype": "float32", "kv_cache_mib": 128}
         kv = ConnectorSettings(lease_s=LEASE_S, timeout_s=TIMEOUT_S)
+        # Built in pairs, in this order (bench/engines.py): P and C compile at once, each on a
+        # core; the consumers then load P's compiled forward from the compile cache.
         super().__init__({
             "P": EngineConfig(**base, kv_role="kv_producer", engine_id="P",
                               kv_settings=replace(kv, status_file=str(self.boards["P"]))),
-            "PB": EngineConfig(**base, **EAGER, kv_role="kv_producer", engine_id="PB",
-                               kv_settings=replace(kv, hold="blocks",
-                                                   status_file=str(self.boards["PB"]))),
+            "C": EngineConfig(**base),
             "D": EngineConfig(**base, kv_role="kv_consumer", engine_id="D",
                               kv_settings=replace(kv, load="async")),
-            # Async: test_producer_killed_mid_transfer watches DF's blocks while a pull is in
-            # flight, and an in-step pull holds the step that would publish them.
-            "DF": EngineConfig(**base, **EAGER, kv_role="kv_consumer", engine_id="DF",
-                               kv_failure_policy="fail", kv_settings=replace(kv, load="async")),
             "DS": EngineConfig(**base, kv_role="kv_consumer", engine_id="DS",
                                kv_settings=replace(kv, load="sync")),
             "DL": EngineConfig(**base, kv_role="kv_consumer", engine_id="DL",
                                kv_settings=replace(kv, load="layered")),
-            "C": EngineConfig(**base),
+            "PB": EngineConfig(**base, **EAGER, kv_role="kv_producer", engine_id="PB",
+                               kv_settings=replace(kv, hold="blocks",
+                                                   status_file=str(self.boards["PB"]))),
+            # Async: test_producer_killed_mid_transfer watches DF's blocks while a pull is in
+            # flight, and an in-step pull holds the step that would publish them.
+            "DF": EngineConfig(**base, **EAGER, kv_role="kv_consumer", engine_id="DF",
+                               kv_failure_policy="fail", kv_settings=replace(kv, load="async")),
         })
 
     def __getattr__(self, name: str):

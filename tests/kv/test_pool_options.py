@@ -1,7 +1,8 @@
 """Exact engine options of the pools: greedy output unchanged, and the option really in effect.
 
 n-gram speculative decoding (decode pool) and chunked prefill at a small chunk (prefill pool).
-Engines (tiny model, float32): C plain colocated, the reference; CS colocated with 4
+Engines (tiny model, float32): C plain colocated, the reference (itself held to transformers'
+greedy output first); CS colocated with 4
 speculative tokens; P a producer; DS a consumer with 4 speculative tokens, so the disaggregated
 path runs speculation on KV it pulled; CK colocated with 256-token engine steps, so every
 prompt above 256 tokens is prefilled in chunks.
@@ -15,7 +16,15 @@ from pathlib import Path
 import pytest
 
 from splitserve.engine import EngineConfig
-from tests.utils import EAGER, GOLDEN_LENGTHS, EngineSet, disagg_greedy, engine_greedy, make_prompts
+from tests.utils import (
+    EAGER,
+    GOLDEN_LENGTHS,
+    EngineSet,
+    disagg_greedy,
+    engine_greedy,
+    hf_greedy_ids,
+    make_prompts,
+)
 
 pytestmark = pytest.mark.slow
 MAX_TOKENS = 48
@@ -42,6 +51,24 @@ def engines(tiny_model_dir: Path):
 def no_leaks(engines: EngineSet):
     yield
     engines.assert_idle()
+
+
+def test_vllm_greedy_equals_transformers(engines: EngineSet, tiny_model_dir: Path) -> None:
+    """The first golden test: vLLM (CPU) greedy output equals Hugging Face transformers' on the
+    tiny model in float32, where exact token equality is the right expectation (a divergence is
+    a bug until logprobs show a genuine tie). C is the reference of every golden test here."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    lengths = [1, 3, 17, 100, 127, 128, 129, 300, 700]
+    prompts = make_prompts(tiny_model_dir, lengths)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    expected = hf_greedy_ids(model, prompts, 24)
+    got = engines.run(engine_greedy(engines["C"], prompts, 24))
+    for n, want, have in zip(lengths, expected, got):
+        assert have == want, f"prompt of {n} tokens: vLLM {have} != transformers {want}"
+    # The model must not be degenerate: different prompts give different continuations.
+    assert len({tuple(g) for g in got}) > len(got) // 2
 
 
 def _prompts(model_dir: Path) -> list[list[int]]:
