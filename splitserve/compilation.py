@@ -167,6 +167,7 @@ def one_key_for_every_core() -> None:
         return {k: v for k, v in factors().items() if k not in NOT_COMPILED}
 
     setattr(compile_factors, _PATCHED, True)
+    compile_factors.__wrapped__ = factors  # type: ignore[attr-defined]
     envs.compile_factors = compile_factors
 
 
