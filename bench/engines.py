@@ -7,14 +7,10 @@ from __future__ import annotations
 import asyncio
 import random
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 from tokenizers import Tokenizer
 
 from splitserve.engine import EngineConfig, build_engine, stop_engine, token_prompt
-
-if TYPE_CHECKING:  # imports vllm: only where engines really run
-    pass
 from splitserve.tiny_tokenizer import synth_corpus
 
 

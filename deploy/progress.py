@@ -10,15 +10,15 @@ from __future__ import annotations
 
 from pathlib import Path
 
+COMPILING = ("compiling the model (torch.compile; kept in the compile cache for later starts on "
+             "this host)")
 # (marker in vLLM's log, what the console says), in the order an engine passes them.
 PHASES = (
     ("Starting to load model", "loading the model"),
     # CPU: one warm-up traces and compiles the whole forward (a cache hit is quick).
-    ("Warming up model for the compilation", "compiling the model (torch.compile; kept in the "
-                                             "compile cache for later starts on this host)"),
+    ("Warming up model for the compilation", COMPILING),
     # GPU: vLLM's backend compiles piecewise, then captures the CUDA graphs.
-    ("Compiling a graph for", "compiling the model (torch.compile; kept in the compile cache "
-                              "for later starts on this host)"),
+    ("Compiling a graph for", COMPILING),
     ("Capturing CUDA graphs", "capturing CUDA graphs"),
 )
 

@@ -108,11 +108,11 @@ def describe(enforce_eager: bool, gpu: bool, graphs: str, env: Mapping[str, str]
     """One line for the engine's log: how its model runs and where its compile cache is."""
     if enforce_eager:
         return "eager (--enforce-eager): no torch.compile, no CUDA graphs"
+    # vLLM keeps Inductor's cache of each compiled model under its own root as well.
     cache = env.get("VLLM_CACHE_ROOT") or "~/.cache/vllm"
-    inductor = env.get("TORCHINDUCTOR_CACHE_DIR") or "/tmp/torchinductor_$USER"
     what = "torch.compile (Inductor)" + (f", {graphs}" if gpu else "")
-    return (f"compiled: {what}; compile cache {cache} and {inductor}, shared by this host's "
-            f"engines (the first start of a model compiles, later ones read it)")
+    return (f"compiled: {what}; compile cache {cache}, shared by this host's engines (the "
+            f"first start of a model compiles, later ones read it)")
 
 
 def engine_plugin() -> None:

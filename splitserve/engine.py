@@ -78,7 +78,7 @@ class EngineConfig:
         "prefill engines and layered KV loads (splitserve/compilation.py)", choices=GRAPH_MODES)
     compile_cache_dir: str | None = setting(
         None, "where compiled models are cached, shared by the engines of a host (default: "
-        "vLLM's ~/.cache/vllm and Inductor's /tmp/torchinductor_$USER)", metavar="DIR")
+        "vLLM's, ~/.cache/vllm)", metavar="DIR")
     seed: int = setting(0, "the engine's sampling seed")
     # Several engines on one host must not share cores: vLLM's "auto" binds each of them to the
     # same first core, and their spinning OpenMP threads then starve each other.
